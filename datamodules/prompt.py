@@ -1,0 +1,144 @@
+"""PromptDataModule: prompts for RL, sharded by data-parallel rank, resumable mid-epoch.
+
+Rows are dicts with a ``prompt`` string; every other field travels with the row to the reward
+function (e.g. ``answer``). Sources: a JSON-lines file (one object per line), or a built-in task.
+Each data-parallel rank reads only its own shard (a ``DistributedSampler`` over the data-parallel
+group, not the global ranks: the ranks of one model-parallel group share their prompts). Loading uses
+torchdata's ``StatefulDataLoader``, whose position Lightning saves in checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+from torch.utils.data import Dataset, DistributedSampler
+from typing_extensions import override
+
+from yatt_lightning.datamodules.tasks import AlphabetTask
+
+
+class PromptDataset(Dataset):
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
+    """Rows of a JSON-lines file; a malformed line is an error naming the file and line number."""
+    if not path.is_file():
+        raise FileNotFoundError(f"`data.path`: {path} does not exist.")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object with a {prompt_key!r} field, got {type(row).__name__}.")
+            if prompt_key not in row:
+                raise ValueError(f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}).")
+            if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
+                raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string.")
+            row = dict(row)
+            row["prompt"] = row.pop(prompt_key)
+            row["_source"] = where
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"`data.path`: {path} holds no rows.")
+    return rows
+
+
+def _identity(rows: list[dict]) -> list[dict]:
+    return rows
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Args:
+    path: A JSON-lines file of prompts; ``None`` uses ``task``.
+    task: A built-in task generating rows (default :class:`AlphabetTask` when ``path`` is not given).
+    batch_size: Prompts per data-parallel rank per RL step (each is sampled ``model.sampling.n`` times).
+    prompt_key: Field of each row holding the prompt.
+    shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
+    seed: Seed of the shuffle.
+    num_workers: Data-loader worker processes.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        task: AlphabetTask | None = None,
+        batch_size: int = 16,
+        prompt_key: str = "prompt",
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if path is not None and task is not None:
+            raise ValueError("`data.path` and `data.task` are both set; choose one source of prompts.")
+        if batch_size < 1:
+            raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}.")
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"`data.path`: {path} does not exist.")
+        self.path = path
+        self.task = task if task is not None or path is not None else AlphabetTask()
+        self.batch_size = batch_size
+        self.prompt_key = prompt_key
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_workers = num_workers
+        self.dataset: PromptDataset | None = None
+
+    def load_rows(self) -> list[dict]:
+        if self.path is not None:
+            rows = read_jsonl(Path(self.path), self.prompt_key)
+        else:
+            rows = [dict(r, _source=f"{type(self.task).__name__} row {i}") for i, r in enumerate(self.task.rows())]
+        for i, row in enumerate(rows):
+            row["_id"] = i
+        return rows
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.dataset is None:
+            self.dataset = PromptDataset(self.load_rows())
+
+    def shard(self) -> tuple[int, int]:
+        """(data-parallel size, data-parallel rank) of this process."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        if not kwargs:
+            return 1, 0
+        return kwargs["num_replicas"], kwargs["rank"]
+
+    @override
+    def train_dataloader(self):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        replicas, rank = self.shard()
+        if len(self.dataset) < replicas * self.batch_size:
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} rows, fewer than one step needs "
+                f"({replicas} data-parallel ranks x `data.batch_size`={self.batch_size})."
+            )
+        sampler = DistributedSampler(
+            self.dataset, num_replicas=replicas, rank=rank, shuffle=self.shuffle, seed=self.seed, drop_last=True
+        )
+        return StatefulDataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=_identity,
+            num_workers=self.num_workers,
+        )

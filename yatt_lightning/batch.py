@@ -1,0 +1,83 @@
+"""The rollout batch of one data-parallel rank, and its packing into training micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """All samples this rank generated in one step: ``n`` completions for each of its prompts.
+
+    Per-sample lists are aligned; sample ``i`` belongs to group ``group_ids[i]`` (its prompt).
+    Per-token values (``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``) are 1-D tensors over
+    the sample's completion tokens.
+    """
+
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list[str]
+    rows: list[dict]
+    group_ids: torch.Tensor
+    rollout_logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    old_logprobs: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return int(torch.unique(self.group_ids).numel())
+
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float)
+
+    def sequence_lengths(self) -> list[int]:
+        return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
+    def microbatches(self, indices: list[int], micro_batch_size: int, pad_id: int, pad_to_multiple: int = 8) -> list[dict]:
+        """Right-padded micro-batches of the samples ``indices`` (in that order).
+
+        Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
+        completion token), ``sample_index [b]`` and, where known, ``old_logprobs``, ``ref_logprobs``
+        ``[b, s-1]`` and ``advantages [b]``.
+        """
+        out = []
+        for start in range(0, len(indices), micro_batch_size):
+            chunk = indices[start : start + micro_batch_size]
+            longest = max(len(self.prompt_ids[i]) + len(self.completion_ids[i]) for i in chunk)
+            seq = -(-longest // pad_to_multiple) * pad_to_multiple
+            ids = torch.full((len(chunk), seq), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), seq - 1), dtype=torch.float)
+            per_token = {k: torch.zeros((len(chunk), seq - 1)) for k in ("old_logprobs", "ref_logprobs")}
+            for row, i in enumerate(chunk):
+                p, c = self.prompt_ids[i], self.completion_ids[i]
+                ids[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+                span = slice(len(p) - 1, len(p) - 1 + len(c))
+                mask[row, span] = 1.0
+                for key in per_token:
+                    values = getattr(self, key)
+                    if values is not None:
+                        per_token[key][row, span] = values[i]
+            mb = {"input_ids": ids, "loss_mask": mask, "sample_index": torch.tensor(chunk)}
+            for key, values in per_token.items():
+                if getattr(self, key) is not None:
+                    mb[key] = values
+            if self.advantages is not None:
+                mb["advantages"] = self.advantages[chunk].float()
+            out.append(mb)
+        return out
+
+    @staticmethod
+    def unpack_per_token(mb: dict, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-sample completion-token slices of a ``[b, s-1]`` tensor computed for micro-batch ``mb``."""
+        mask = mb["loss_mask"].bool()
+        return [values[row][mask[row]].detach().clone() for row in range(values.shape[0])]

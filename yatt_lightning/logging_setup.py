@@ -1,0 +1,31 @@
+"""Silence third-party messages that say nothing actionable to a yatt-lightning user."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+def quiet_third_party() -> None:
+    # Megatron-Core announces on import that Apex / Transformer Engine are absent (expected on CPU).
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+    # vLLM's in-place reload warns about the rotary cache, which is not a checkpoint tensor.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        _DropMessages("Failed to load weights")
+    )
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(
+            _DropMessages("GPU available: False", "TPU available", "HPU available", "LOCAL_RANK")
+        )

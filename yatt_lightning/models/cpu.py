@@ -1,0 +1,253 @@
+"""What megatron-core 0.16.1 needs to run without CUDA. Active only when no GPU is present.
+
+megatron-core hard-codes CUDA in places that matter on a CPU machine: tensor factories with
+``device="cuda"`` or ``torch.cuda.current_device()`` (the default attention mask, gradient buffers,
+the optimizer's scalars, ``clip_grads``, pipeline p2p buffers), CUDA streams and events in DDP,
+``torch.cuda.synchronize`` in checkpoint writers, type checks against ``'torch.cuda.FloatTensor'``,
+and a CUDA RNG tracker. This module answers each with the CPU equivalent:
+
+* :func:`megatron_cpu_context` -- a ``TorchFunctionMode`` that maps CUDA devices to the CPU, makes
+  ``Tensor.cuda()`` a no-op and reports CPU tensors under CUDA type names, plus ``torch.cuda``
+  stand-ins (current device 0, no-op synchronize/streams/events, the CPU generator for RNG state).
+  It is *scoped*: the strategy enters it around Megatron code only (model construction, training
+  step, export, checkpointing), because a global mode slows vLLM generation ~2x.
+* :class:`CpuRNGStatesTracker` -- Megatron's RNG tracker over the CPU generator, installed by
+  :func:`model_parallel_manual_seed`.
+
+On a machine with CUDA every entry point here is a no-op and Megatron runs unpatched.
+The patches target exactly :data:`MEGATRON_CORE_VERSION`; :func:`check_version` refuses others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+def cpu_mode() -> bool:
+    """True when the compatibility layer must be active (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def check_version() -> None:
+    from megatron.core.package_info import __version__
+
+    if cpu_mode() and __version__ != MEGATRON_CORE_VERSION:
+        raise RuntimeError(
+            f"yatt_lightning.models.cpu patches megatron-core {MEGATRON_CORE_VERSION} for CPU runs, but "
+            f"{__version__} is installed. Install megatron-core=={MEGATRON_CORE_VERSION} (scripts/install.sh does)."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Device mapping
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    # Megatron passes torch.cuda.current_device() (an int) as a device.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and len(args) > 1:
+            if _is_cuda_device(args[1]):
+                args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _FakeEvent()
+
+
+class _FakeEvent:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+_CUDA_STANDINS = {
+    "current_device": lambda: 0,
+    "device_count": lambda: 1,
+    "set_device": _noop,
+    "synchronize": _noop,
+    "empty_cache": _noop,
+    "Stream": _FakeStream,
+    "Event": _FakeEvent,
+    "stream": lambda *a, **k: contextlib.nullcontext(),
+    "current_stream": lambda *a, **k: _FakeStream(),
+    "default_stream": lambda *a, **k: _FakeStream(),
+    "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+    "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+    "manual_seed": lambda seed: None,
+    "manual_seed_all": lambda seed: None,
+    "memory_allocated": lambda *a, **k: 0,
+    "max_memory_allocated": lambda *a, **k: 0,
+    "memory_reserved": lambda *a, **k: 0,
+    "reset_peak_memory_stats": _noop,
+    "nvtx": type("nvtx", (), {"range_push": staticmethod(_noop), "range_pop": staticmethod(_noop)}),
+}
+
+_lock = threading.RLock()
+_depth = 0
+_saved: dict[str, object] = {}
+_mode: _CudaToCpuMode | None = None
+
+
+def _enter() -> None:
+    global _depth, _mode
+    with _lock:
+        _depth += 1
+        if _depth > 1:
+            return
+        for name, standin in _CUDA_STANDINS.items():
+            _saved[name] = getattr(torch.cuda, name, None)
+            setattr(torch.cuda, name, standin)
+        _saved["random.get_rng_state"] = torch.cuda.random.get_rng_state
+        torch.cuda.random.get_rng_state = _CUDA_STANDINS["get_rng_state"]
+        _mode = _CudaToCpuMode()
+        _mode.__enter__()
+
+
+def _exit() -> None:
+    global _depth, _mode
+    with _lock:
+        _depth -= 1
+        if _depth > 0:
+            return
+        assert _mode is not None
+        _mode.__exit__(None, None, None)
+        _mode = None
+        torch.cuda.random.get_rng_state = _saved.pop("random.get_rng_state")
+        for name, original in _saved.items():
+            if original is None:
+                delattr(torch.cuda, name)
+            else:
+                setattr(torch.cuda, name, original)
+        _saved.clear()
+
+
+@contextlib.contextmanager
+def megatron_cpu_context() -> Iterator[None]:
+    """Run the enclosed Megatron code on the CPU; a no-op when CUDA is available. Re-entrant."""
+    if not cpu_mode():
+        yield
+        return
+    _enter()
+    try:
+        yield
+    finally:
+        _exit()
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's named RNG states, kept as CPU generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed Megatron's RNG tracker (Megatron's ``model_parallel_cuda_manual_seed`` on GPU)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not cpu_mode():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    from megatron.core import parallel_state as ps
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    tracker.add(
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank(),
+    )

@@ -1,0 +1,226 @@
+"""A Megatron-Core GPT loaded from a Hugging Face folder: this rank's TP shard of its PP stage.
+
+:class:`MegatronPolicy` is what the RL module trains (wrapped in Megatron's DDP with Megatron's
+optimizer) and what it uses as a frozen reference (no wrapper, no optimizer). It runs micro-batches
+through Megatron's own forward/backward schedules (which also drive pipeline parallelism) and exports
+its weights under Hugging Face names for the rollout engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from yatt_lightning.models import convert
+from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
+from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
+from yatt_lightning.optim import OptimizerSettings
+
+
+class MegatronPolicy(torch.nn.Module):
+    """Args:
+    path: Hugging Face model folder.
+    params_dtype: Training dtype of the parameters (fp32 on CPU, bf16 on GPU).
+    optimizer: Optimizer settings; ``None`` builds a frozen model (reference policy).
+    seed: Seed of Megatron's RNG tracker.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        optimizer: OptimizerSettings | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        check_version()
+        self.path = Path(path)
+        self.arch = HFArch.from_hf_config(AutoConfig.from_pretrained(self.path))
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        self.arch.check_parallel(tp, pp)
+        self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), tp
+        self.is_first_stage = ps.is_pipeline_first_stage()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.settings = optimizer
+        self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
+        with megatron_cpu_context():
+            model_parallel_manual_seed(seed)
+            from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+            gpt = build_gpt(self.arch, self.config, pre_process=self.is_first_stage, post_process=self.is_last_stage)
+            self.layer_offset = get_transformer_layer_offset(self.config)
+            load_hf_weights(gpt, self.path, self.arch, self.tp_rank, tp, self.layer_offset)
+            if torch.cuda.is_available():
+                gpt.cuda(torch.cuda.current_device())
+            if optimizer is None:
+                gpt.requires_grad_(False)
+                gpt.eval()
+                self.model = gpt
+                self.optimizer = None
+            else:
+                self.model, self.optimizer = _wrap_for_training(gpt, self.config, optimizer)
+
+    # ------------------------------------------------------------------ running micro-batches
+    def forward_backward(
+        self,
+        microbatches: list[dict[str, torch.Tensor]],
+        loss_fn: Callable[[dict, torch.Tensor], tuple],
+        *,
+        forward_only: bool,
+    ) -> list[dict]:
+        """Run ``microbatches`` through Megatron's schedule; returns ``loss_fn``'s dicts (last PP stage only).
+
+        Each micro-batch holds ``input_ids`` ``[b, s]`` (right-padded); ``loss_fn(microbatch, logits)``
+        returns ``(loss_sum, num_tokens, metrics_dict)``. Gradients are divided by the number of tokens
+        summed over micro-batches and data-parallel ranks (token-level aggregation).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            seq = ids.shape[1]
+            position_ids = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
+            causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=ids.device), diagonal=1)
+            output = model(ids, position_ids, causal)
+            return output, partial(loss_fn, mb)
+
+        seq_length = max(mb["input_ids"].shape[1] for mb in microbatches)
+        self.model.train(not forward_only)
+        grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with megatron_cpu_context(), grad:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(microbatches),
+                model=[self.model],
+                num_microbatches=len(microbatches),
+                seq_length=seq_length,
+                micro_batch_size=microbatches[0]["input_ids"].shape[0],
+                forward_only=forward_only,
+            )
+
+    def zero_grad_buffers(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self, step: int) -> tuple[bool, float]:
+        """One optimizer step at the learning rate of optimizer step ``step``; returns (applied, grad norm)."""
+        lr = self.settings.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with megatron_cpu_context():
+            applied, grad_norm, _ = self.optimizer.step()
+        return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
+
+    # ------------------------------------------------------------------ weights
+    def local_module(self) -> torch.nn.Module:
+        """The GPT module itself (inside Megatron's DDP wrapper when training)."""
+        return self.model.module if self.optimizer is not None else self.model
+
+    @torch.no_grad()
+    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's weights under Hugging Face names, gathered over the TP group (full tensors).
+
+        Collective over the TP group: every TP rank must iterate it to the end.
+        """
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        with megatron_cpu_context():
+            for name, param in self.local_module().named_parameters():
+                local = param.detach()
+                if self.tp > 1 and convert.tp_split_dim(name) is not None:
+                    shards = [torch.empty_like(local) for _ in range(self.tp)]
+                    torch.distributed.all_gather(shards, local.contiguous(), group=group)
+                    full = convert.unshard(name, shards)
+                else:
+                    full = local
+                yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.local_module().parameters())
+
+
+def _wrap_for_training(gpt, config, settings: OptimizerSettings):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        ),
+        gpt,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        ),
+        [ddp],
+    )
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer
+
+
+def load_hf_weights(gpt: torch.nn.Module, folder: Path, arch: HFArch, tp_rank: int, tp: int, layer_offset: int) -> None:
+    """Copy this rank's shards of the Hugging Face checkpoint in ``folder`` into ``gpt``."""
+    get = _safetensors_reader(folder)
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            full = convert.hf_to_megatron(name, get, arch, layer_offset)
+            part = convert.shard(name, full, tp_rank, tp)
+            if part.shape != param.shape:
+                raise ValueError(
+                    f"`model.policy.path`: {folder}: tensor for {name} has shape {tuple(part.shape)} after TP "
+                    f"sharding, the model expects {tuple(param.shape)}; does config.json match the weights?"
+                )
+            param.copy_(part.to(param.dtype))
+
+
+def _safetensors_reader(folder: Path) -> Callable[[str], torch.Tensor]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (folder / "model.safetensors").is_file():
+        weight_map = None
+    else:
+        raise ValueError(f"`model.policy.path`: {folder} has no model.safetensors (or index); only safetensors weights load.")
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        file = weight_map.get(name) if weight_map is not None else "model.safetensors"
+        if file is None:
+            raise KeyError(f"`model.policy.path`: {folder} has no tensor {name!r}")
+        if file not in handles:
+            handles[file] = safe_open(str(folder / file), framework="pt")
+        try:
+            return handles[file].get_tensor(name)
+        except Exception as err:
+            raise KeyError(f"`model.policy.path`: {folder / file} has no tensor {name!r}") from err
+
+    return get

@@ -1,0 +1,141 @@
+"""The built-in tiny model: a random-initialised Qwen2-style model and a locally trained tokenizer.
+
+Nothing is downloaded. The model is written as an ordinary Hugging Face folder (``config.json``,
+``model.safetensors``, ``tokenizer.json``) and from then on is loaded exactly like a user's
+checkpoint, so the default config exercises the real loading path.
+
+Sizes respect what the stack needs: vLLM on CPU supports head sizes 32, 64, 80, ...; tensor
+parallelism needs the number of query and key/value heads divisible by the TP size; pipeline
+parallelism needs the layers divisible by the PP size. The defaults (4 heads, 2 KV heads of 32, 2
+layers) allow TP=2 and PP=2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+TINY_QWEN2 = "builtin:tiny-qwen2"
+
+# One place for the tiny model's shape; changing it changes the cache key.
+TINY_QWEN2_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 320,
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+
+
+def cache_dir() -> Path:
+    """Folder for built artefacts: ``$YATT_CACHE`` or ``~/.cache/yatt_lightning``."""
+    return Path(os.environ.get("YATT_CACHE", Path.home() / ".cache" / "yatt_lightning"))
+
+
+def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
+    """Turn a config value into a Hugging Face model folder, building the built-in model if named.
+
+    Raises:
+        ValueError: if ``path`` names an unknown built-in model, or is not a folder with ``config.json``.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        if path != TINY_QWEN2:
+            raise ValueError(f"`{key}`: unknown built-in model {path!r}; the built-in model is {TINY_QWEN2!r}.")
+        return build_tiny_qwen2()
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(
+            f"`{key}`: model folder {str(folder)!r} does not exist. Pass a Hugging Face model folder "
+            f"(with config.json, *.safetensors and the tokenizer files) or {TINY_QWEN2!r}."
+        )
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"`{key}`: {str(folder)!r} has no config.json; it is not a Hugging Face model folder.")
+    return folder
+
+
+def build_tiny_qwen2(seed: int = 1234) -> Path:
+    """Build (once) and return the folder of the tiny Qwen2 model; safe under concurrent ranks."""
+    from filelock import FileLock
+
+    from yatt_lightning.datamodules.tasks import AlphabetTask
+
+    key = hashlib.sha256(json.dumps([TINY_QWEN2_SHAPE, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
+    out = cache_dir() / f"tiny-qwen2-{key.hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus())
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def train_tokenizer(corpus, vocab_size: int):
+    """A byte-level BPE tokenizer trained on ``corpus`` with Qwen2's pre-tokenizer, normalizer and decoder.
+
+    transformers loads every ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``, which rebuilds that
+    pipeline around the saved vocabulary and merges; training the same pipeline keeps the two identical.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def _write_tiny_qwen2(folder: Path, seed: int, corpus) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(TINY_QWEN2_SHAPE)
+    tokenizer = train_tokenizer(corpus, shape["vocab_size"])
+    rope_theta = shape.pop("rope_theta")
+    config = Qwen2Config(
+        **shape,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,373 @@
+"""RLHFModule: one RL step as four overridable calls -- rollout, reward, advantage, update.
+
+Subclass and override any of them (or the smaller hooks they call: ``tokenize_prompt``,
+``sample_seeds``, ``loss``). Orchestration (the engine, weight sync, placement) lives in the strategy;
+this module reads like the algorithm. With the defaults it is GRPO: n samples per prompt,
+group-normalised advantages, PPO-clip with token-level aggregation, optional k3 KL to a frozen reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections import defaultdict
+
+import lightning.pytorch as pl
+import torch
+from jsonargparse import lazy_instance
+from typing_extensions import override
+
+from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
+from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.models.logprobs import token_entropy, token_logprobs
+from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.optim import OptimizerSettings
+from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
+from yatt_lightning.rewards.base import FunctionReward
+from yatt_lightning.rollout.base import SamplingConfig
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The policy loss became NaN or infinite."""
+
+
+# Per-token quantities summed in the loss function and averaged over tokens for logging.
+_TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
+
+
+class RLHFModule(pl.LightningModule):
+    """GRPO-style RL post-training of a Megatron-Core policy.
+
+    Args:
+        policy: The model to train (a Hugging Face folder, loaded into Megatron-Core).
+        reward_fn: Dotted import path of ``f(prompt: str, completion: str, **row) -> float``; the row's
+            other fields (e.g. ``answer``) arrive as keyword arguments.
+        sampling: How completions are sampled (``n`` is the GRPO group size).
+        algorithm: The policy loss (``class_path`` selects it; default PPO-clip).
+        advantage_estimator: Turns rewards into advantages (default GRPO group normalisation).
+        kl_coef: Weight of the KL penalty to the frozen initial policy; 0 builds no reference model.
+        kl_estimator: Per-token KL estimator (default k3).
+        optimizer: Optimizer settings.
+        ppo_epochs: Passes over each rollout batch.
+        mini_batches: Optimizer steps per pass (the rollout batch is split into this many parts).
+        micro_batch_size: Sequences per forward/backward micro-batch.
+        max_prompt_tokens: Longest prompt accepted, in tokens; a longer one is an error naming its row.
+        apply_chat_template: Wrap each prompt in the tokenizer's chat template when it has one.
+        log_samples: Completions written to TensorBoard as text every ``log_every_n_steps``.
+        seed: Seed of sampling and of mini-batch shuffling.
+    """
+
+    def __init__(
+        self,
+        policy: ModelSpec = ModelSpec(),
+        reward_fn: str = "yatt_lightning.rewards.rules.alphabet_reward",
+        sampling: SamplingConfig = SamplingConfig(),
+        algorithm: PolicyLoss = lazy_instance(PPOClipLoss),
+        advantage_estimator: AdvantageEstimator = lazy_instance(GRPOAdvantage),
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = lazy_instance(K3),
+        optimizer: OptimizerSettings = OptimizerSettings(),
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
+        micro_batch_size: int = 32,
+        max_prompt_tokens: int = 128,
+        apply_chat_template: bool = True,
+        log_samples: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for key, value, low in (
+            ("ppo_epochs", ppo_epochs, 1),
+            ("mini_batches", mini_batches, 1),
+            ("micro_batch_size", micro_batch_size, 1),
+            ("max_prompt_tokens", max_prompt_tokens, 1),
+            ("log_samples", log_samples, 0),
+        ):
+            if value < low:
+                raise ValueError(f"`model.{key}` must be >= {low}, got {value}.")
+        if kl_coef < 0:
+            raise ValueError(f"`model.kl_coef` must be >= 0, got {kl_coef}.")
+        self.automatic_optimization = False
+        self.policy_spec = policy
+        self.reward_functions = [FunctionReward(reward_fn)]
+        self.sampling = sampling
+        self.algorithm = algorithm
+        self.advantage_estimator = advantage_estimator
+        self.kl_coef = kl_coef
+        self.kl_estimator = kl_estimator
+        self.optimizer_settings = optimizer
+        self.ppo_epochs = ppo_epochs
+        self.mini_batches = mini_batches
+        self.micro_batch_size = micro_batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.apply_chat_template = apply_chat_template
+        self.log_samples = log_samples
+        self.seed = seed
+        self.policy = None
+        self.reference = None
+        self.tokenizer = None
+        self.last_rollouts: RolloutBatch | None = None
+        self.phase_times: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ building
+    @override
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        from transformers import AutoTokenizer
+
+        from yatt_lightning.models.policy import MegatronPolicy
+
+        path = self.policy_spec.resolve()
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        dtype = self.policy_spec.torch_dtype()
+        self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
+        if self.kl_coef > 0:
+            self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
+
+    @override
+    def configure_optimizers(self):
+        return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
+
+    def rollout_engine_spec(self) -> dict:
+        """What the strategy needs to start the engine for this module."""
+        return {
+            "model_path": self.model_path,
+            "seed": self.seed,
+            "max_num_seqs": max(1, self.trainer.datamodule.batch_size * self.sampling.n)
+            if self.trainer.datamodule is not None
+            else 256,
+            "max_model_len": self.max_prompt_tokens + self.sampling.max_new_tokens,
+            "dtype": str(self.policy_spec.torch_dtype()).removeprefix("torch."),
+        }
+
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the policy's weights change (one per optimizer step)."""
+        return self.trainer.global_step
+
+    # ------------------------------------------------------------------ the RL step
+    @override
+    def training_step(self, batch: list[dict], batch_idx: int) -> dict:
+        strategy = self.trainer.strategy
+        t0 = time.perf_counter()
+        rollouts = self.rollout(batch)
+        t1 = time.perf_counter()
+        error = None
+        try:
+            rollouts.rewards = self.reward(rollouts)
+        except Exception as err:  # every rank must learn of it, or the others hang in the next collective
+            error = err
+        strategy.raise_if_any_rank_failed(error)
+        t2 = time.perf_counter()
+        rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
+        stats = self.update(rollouts)
+        t3 = time.perf_counter()
+        sync = strategy.phase_times.get("sync", 0.0)
+        self.phase_times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}
+        self.last_rollouts = rollouts
+        self._log_step(rollouts, stats)
+        return {"reward_mean": float(rollouts.rewards.mean())}
+
+    def rollout(self, batch: list[dict]) -> RolloutBatch:
+        """Sample ``sampling.n`` completions for each prompt of this rank's batch."""
+        prompt_ids = [self.tokenize_prompt(row) for row in batch]
+        groups = self.trainer.strategy.generate(prompt_ids, self.sampling, self.sample_seeds(batch))
+        n = self.sampling.n
+        samples = [(g, c) for g, group in enumerate(groups) for c in group]
+        completion_ids = [c.token_ids for _, c in samples]
+        return RolloutBatch(
+            prompts=[batch[g]["prompt"] for g, _ in samples],
+            prompt_ids=[prompt_ids[g] for g, _ in samples],
+            completion_ids=completion_ids,
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            rows=[batch[g] for g, _ in samples],
+            group_ids=torch.arange(len(groups)).repeat_interleave(n),
+            rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for _, c in samples],
+            finish_reasons=[c.finish_reason for _, c in samples],
+        )
+
+    def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
+        """One scalar reward per sample (the sum of the reward functions)."""
+        total = torch.zeros(len(rollouts))
+        for fn in self.reward_functions:
+            total += torch.tensor(fn(rollouts.prompts, rollouts.completions, rollouts.rows), dtype=torch.float)
+        return total
+
+    def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
+        """One advantage per sample."""
+        return self.advantage_estimator(rewards, rollouts.group_ids)
+
+    def update(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
+        pad = self.tokenizer.pad_token_id
+        everything = list(range(len(rollouts)))
+        if len(rollouts) % self.mini_batches:
+            raise ValueError(
+                f"`model.mini_batches`={self.mini_batches} does not divide the {len(rollouts)} samples of a step "
+                f"(data.batch_size x model.sampling.n)."
+            )
+        rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
+        if self.reference is not None:
+            rollouts.ref_logprobs = self.compute_logprobs(self.reference, rollouts, everything)
+        sums: dict[str, float] = defaultdict(float)
+        grad_norms = []
+        optimizer = self.optimizers()
+        shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(len(rollouts), generator=shuffle).tolist()
+            size = len(order) // self.mini_batches
+            for start in range(0, len(order), size):
+                optimizer.zero_grad()
+                mbs = rollouts.microbatches(order[start : start + size], self.micro_batch_size, pad)
+                outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
+                for out in outputs:
+                    for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
+                        sums[key] += value
+                self._check_finite(outputs)
+                optimizer.step()
+                grad_norms.append(optimizer.last_grad_norm)
+        stats = self._reduce_token_metrics(sums)
+        stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        stats["logprob_diff_max"] = self._logprob_mismatch(rollouts)
+        return stats
+
+    # ------------------------------------------------------------------ hooks
+    def tokenize_prompt(self, row: dict) -> list[int]:
+        prompt = row["prompt"]
+        if self.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} ({row.get('_source', 'built-in task')}) tokenizes to nothing.")
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens ({row.get('_source', 'built-in task')}) is longer than "
+                f"`model.max_prompt_tokens`={self.max_prompt_tokens}; raise it or shorten the prompt."
+            )
+        return ids
+
+    def sample_seeds(self, batch: list[dict]) -> list[int]:
+        """A sampling seed per prompt, fixed by (seed, step, row): a resumed run samples the same."""
+        step = self.trainer.global_step
+        return [
+            zlib.crc32(f"{self.seed}:{step}:{row.get('_id', i)}".encode()) * self.sampling.n % (2**31 - 1)
+            for i, row in enumerate(batch)
+        ]
+
+    def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""
+        advantages = mb["advantages"][:, None].expand_as(logprobs)
+        per_token, metrics = self.algorithm(logprobs, mb["old_logprobs"], advantages, mb["loss_mask"])
+        metrics = {"pg_loss": per_token.detach(), **metrics}
+        if self.reference is not None:
+            kl = self.kl_estimator(logprobs, mb["ref_logprobs"])
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        return per_token, metrics
+
+    # ------------------------------------------------------------------ internals
+    def _loss_fn(self, mb: dict, logits: torch.Tensor):
+        logits = logits[:, :-1]
+        logprobs = token_logprobs(logits, mb["input_ids"][:, 1:], self.sampling.temperature)
+        mask = mb["loss_mask"]
+        per_token, metrics = self.loss(logprobs, mb)
+        metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
+        loss_sum = (per_token * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        row = [mask.sum()] + [
+            (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in _TOKEN_METRICS
+        ]
+        finite = torch.isfinite(loss_sum)
+        if not finite:  # keep the schedule going so every rank reaches the check after it
+            loss_sum = torch.nan_to_num(loss_sum) * 0
+        return loss_sum, num_tokens, {"metrics": torch.stack([v.detach().float() for v in row]), "finite": finite}
+
+    def _check_finite(self, outputs: list[dict]) -> None:
+        bad = torch.tensor([float(sum(1 for o in outputs if not bool(o["finite"])))])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(bad)
+        if bad.item() > 0:
+            raise NonFiniteLossError(
+                f"the policy loss is NaN/inf at step {self.trainer.global_step} ({int(bad.item())} micro-batches). "
+                "Check the rewards (finite?), lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
+            )
+
+    def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
+        """Per-sample logprobs of the completion tokens under ``model`` (forward only)."""
+        mbs = rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id)
+
+        def collect(mb, logits):
+            lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], self.sampling.temperature)
+            return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": RolloutBatch.unpack_per_token(mb, lp)}
+
+        outputs = model.forward_backward(mbs, collect, forward_only=True)
+        if not outputs:  # not the last pipeline stage: only the last stage computes the loss
+            return None
+        result: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
+        for mb, out in zip(mbs, outputs, strict=True):
+            for i, lp in zip(mb["sample_index"].tolist(), out["logprobs"], strict=True):
+                result[i] = lp
+        return result
+
+    def _logprob_mismatch(self, rollouts: RolloutBatch) -> float:
+        """Largest |engine logprob - policy logprob| over sampled tokens (before the update)."""
+        if rollouts.old_logprobs is None:
+            return float("nan")
+        diffs = [(a - b).abs().max().item() for a, b in zip(rollouts.old_logprobs, rollouts.rollout_logprobs) if len(a)]
+        return max(diffs, default=0.0)
+
+    def _reduce_token_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = ("tokens", *_TOKEN_METRICS)
+        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(t)
+        tokens = max(t[0].item(), 1.0)
+        return {k: t[i].item() / tokens for i, k in enumerate(keys) if i > 0}
+
+    def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float]) -> None:
+        rewards = rollouts.rewards
+        lengths = rollouts.response_lengths()
+        gen_tokens = float(lengths.sum())
+        local = torch.tensor(
+            [rewards.sum(), (rewards**2).sum(), float(len(rewards)), lengths.sum(), lengths.max(), gen_tokens,
+             stats["logprob_diff_max"]], dtype=torch.float64,
+        )  # fmt: skip
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            maxes = local[[4, 6]].clone()
+            torch.distributed.all_reduce(local)
+            torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
+            local[[4, 6]] = maxes
+        r_sum, r_sq, count, len_sum, len_max, tokens, lp_diff = local.tolist()
+        mean = r_sum / count
+        times = self.phase_times
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(r_sq / count - mean**2, 0.0)),
+            "actor/pg_loss": stats["pg_loss"],
+            "actor/kl": stats["kl"],
+            "actor/clip_fraction": stats["clip_fraction"],
+            "actor/entropy": stats["entropy"],
+            "actor/ratio": stats["ratio"],
+            "actor/grad_norm": stats["grad_norm"],
+            "actor/lr": self.optimizer_settings.lr_at(max(self.trainer.global_step - 1, 0)),
+            "rollout/logprob_diff_max": lp_diff,
+            "response_length/mean": len_sum / count,
+            "response_length/max": len_max,
+            "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
+            "perf/step_tokens_per_s": tokens / max(times["step"], 1e-9),
+        }
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=int(count))
+        self.log_dict(
+            {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]},
+            prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True,
+        )  # fmt: skip

@@ -1,0 +1,77 @@
+"""What a rollout engine is: the protocol the strategy drives, and the data it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled.
+
+    Args:
+        n: Completions per prompt (the group size for GRPO).
+        max_new_tokens: Longest completion, in tokens.
+        temperature: Sampling temperature; the policy's logprobs in the loss use the same temperature.
+        top_p: Nucleus sampling mass (1.0 = off).
+        top_k: Keep the k most likely tokens (-1 = off).
+    """
+
+    n: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"`model.sampling.n` must be >= 1, got {self.n}.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"`model.sampling.max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"`model.sampling.temperature` must be > 0, got {self.temperature}; RL needs sampling, not greedy decoding."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"`model.sampling.top_p` must be in (0, 1], got {self.top_p}.")
+
+
+@dataclass
+class Completion:
+    """One sampled completion: its token ids and the engine's logprob of each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "length"
+    text: str = ""
+    extras: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """An inference engine the strategy owns: started once, fed fresh weights before each rollout."""
+
+    def start(
+        self, model_path: Path, *, tensor_parallel_size: int, seed: int, max_num_seqs: int, max_model_len: int, dtype: str
+    ) -> None:
+        """Create the engine for the model in ``model_path`` (a Hugging Face folder)."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+        """``sampling.n`` completions for each prompt (token ids); ``seeds[i]`` seeds prompt i's samples."""
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) Hugging Face-named tensors into the running engine, in place."""
+
+    def sleep(self) -> None:
+        """Free the engine's device memory (weights and KV cache) until :meth:`wake_up`."""
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and release everything it holds."""

@@ -1,0 +1,208 @@
+"""The vLLM rollout engine: n samples per prompt with logprobs, weights pushed in place.
+
+The engine lives inside the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and reuses the
+trainer's default process group: it must be created on every rank at the same point, after Megatron's
+parallel state. Data parallel: one engine per rank (``tensor_parallel_size=1``). Tensor parallel: one
+engine shared by the TP group (``distributed_executor_backend="external_launcher"``), same seed and same
+prompts on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from yatt_lightning.rollout.base import Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+# Must be in the environment before vLLM is imported; see ../shared/CPU-STACK.md.
+VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHDYNAMO_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_CONFIGURE_LOGGING": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def set_vllm_env() -> None:
+    for key, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+class VLLMEngine:
+    """Rollout engine backed by vLLM (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs).
+
+    Constructing it is cheap; the strategy calls :meth:`start` once its process groups exist.
+
+    Args:
+        kv_cache_memory_bytes: KV cache size per engine. ``None`` sizes it from the rollout batch
+            (prompts x samples x longest sequence) with 25% headroom.
+        gpu_memory_utilization: Fraction of GPU memory vLLM may take (GPU only; ignored when
+            ``kv_cache_memory_bytes`` is set).
+        enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the n samples of a
+            prompt share it). The cache is reset after every weight push.
+        enforce_eager: Run without CUDA graphs / compilation. Required on CPU.
+        dtype: Weight dtype inside the engine; ``None`` uses the policy's training dtype, so the engine's
+            logprobs match the trainer's.
+        sleep_level: vLLM sleep level used when colocated on a GPU (1 keeps weights in host memory).
+    """
+
+    def __init__(
+        self,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = True,
+        dtype: str | None = None,
+        sleep_level: int = 1,
+    ) -> None:
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1 << 20:
+            raise ValueError(f"`engine.kv_cache_memory_bytes` must be at least 1 MiB, got {kv_cache_memory_bytes}.")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"`engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}.")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"`engine.sleep_level` must be 1 or 2, got {sleep_level}.")
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enforce_eager = enforce_eager
+        self.dtype = dtype
+        self.sleep_level = sleep_level
+        self.llm = None
+        self.asleep = False
+
+    # ------------------------------------------------------------------ life cycle
+    def start(
+        self,
+        model_path: Path,
+        *,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_num_seqs: int = 64,
+        max_model_len: int = 256,
+        dtype: str = "auto",
+    ) -> None:
+        set_vllm_env()
+        from vllm import LLM
+
+        from yatt_lightning.rollout import vllm_shutdown
+
+        vllm_shutdown.keep_trainer_process_group()
+        kv_bytes = self.kv_cache_memory_bytes or kv_cache_bytes_for(
+            model_path, max_num_seqs, max_model_len, tensor_parallel_size
+        )
+        on_gpu = torch.cuda.is_available()
+        kwargs = {}
+        if tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(
+            model=str(model_path),
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            dtype=self.dtype or dtype,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_sleep_mode=on_gpu,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="yatt_lightning.rollout.worker_extension.WeightSyncExtension",
+            **kwargs,
+        )
+        self.kv_cache_bytes = kv_bytes
+        log.info("vLLM engine ready: %s, tp=%d, kv cache %.1f MiB", model_path, tensor_parallel_size, kv_bytes / 2**20)
+
+    def shutdown(self) -> None:
+        if self.llm is None:
+            return
+        from yatt_lightning.rollout import vllm_shutdown
+
+        vllm_shutdown.shutdown_engine(self.llm)
+        self.llm = None
+
+    # ------------------------------------------------------------------ work
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                logprobs=0,
+                seed=seed,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self._llm().generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        results = []
+        for out in outputs:
+            group = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)]
+                group.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.finish_reason or "length"))
+            results.append(group)
+        return results
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = [(name, t.detach()) for name, t in named_tensors]
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            from safetensors.torch import save
+
+            payload = save({n: t.contiguous().cpu() for n, t in weights})
+        else:
+            payload = weights
+        self._llm().collective_rpc("yatt_reload_weights", args=(payload,))
+        # Cached keys/values were computed with the old weights.
+        self._llm().reset_prefix_cache()
+
+    def engine_parameter(self, name: str) -> torch.Tensor:
+        return self._llm().collective_rpc("yatt_named_parameter", args=(name,))[0]
+
+    def sleep(self) -> None:
+        if torch.cuda.is_available() and not self.asleep:
+            self._llm().sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self._llm().wake_up()
+            self.asleep = False
+
+    def _llm(self):
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
+        return self.llm
+
+
+def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, tp: int) -> int:
+    """KV cache bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens, +25%, rounded to MiB."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = max(1, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tp)
+    dtype_bytes = 2 if str(getattr(cfg, "dtype", None) or "float32") in ("bfloat16", "float16", "torch.bfloat16") else 4
+    block = 128  # round every sequence up to whole blocks (vLLM's CPU block size)
+    tokens = max_num_seqs * math.ceil(max_model_len / block) * block
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    return max(4 << 20, math.ceil(tokens * per_token * 1.25 / (1 << 20)) << 20)

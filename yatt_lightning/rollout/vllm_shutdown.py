@@ -1,0 +1,49 @@
+"""Shut an in-process vLLM engine down without tearing down the trainer's process group.
+
+vLLM's engine shutdown (also run by a finalizer at interpreter exit) calls
+``cleanup_dist_env_and_memory``, which destroys the *default* process group: the trainer's next
+collective then fails with "Default process group has not been initialized". We replace that
+function, for this process, with one that destroys only the groups vLLM created.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+_installed = False
+
+
+def _cleanup_vllm_groups_only() -> None:
+    from vllm.distributed import parallel_state as vps
+
+    try:
+        vps.destroy_model_parallel()
+        if vps._WORLD is not None:
+            vps._WORLD.destroy()
+        vps._WORLD = None
+        vps._NODE_COUNT = None
+    except Exception:  # the default group may already be gone at interpreter exit
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def keep_trainer_process_group() -> None:
+    """Install the replacement (idempotent); call before creating an engine."""
+    global _installed
+    if _installed:
+        return
+    import vllm.v1.engine.core as core
+
+    core.cleanup_dist_env_and_memory = _cleanup_vllm_groups_only
+    _installed = True
+
+
+def shutdown_engine(llm) -> None:
+    """Stop ``llm`` (a ``vllm.LLM``) now, releasing its workers and vLLM's own process groups."""
+    keep_trainer_process_group()
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()

@@ -1,0 +1,221 @@
+"""MegatronStrategy: Megatron-Core parallel state on Lightning's process group, and the rollout engine's life.
+
+Lightning launches the processes (its subprocess launcher, torchrun or SLURM) and creates the default
+process group (gloo on CPU, NCCL on GPU). This strategy then builds Megatron's tensor / pipeline /
+data-parallel groups over it, never wraps the module in torch's DDP (which would broadcast rank 0's
+parameters over the tensor-parallel shards; Megatron's own DDP is used instead), starts the rollout
+engine on every rank at the same point, and keeps the engine's weights in step with the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from yatt_lightning.models.cpu import megatron_cpu_context
+from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class MegatronStrategy(DDPStrategy):
+    """Megatron-Core parallelism plus a colocated rollout engine.
+
+    Args:
+        tensor_model_parallel_size: Ranks that split each layer's weights (TP).
+        pipeline_model_parallel_size: Ranks that split the layers into stages (PP).
+        engine: The rollout engine (default: :class:`~yatt_lightning.rollout.VLLMEngine`).
+        timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        engine: RolloutEngine | None = None,
+        timeout_minutes: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        if tensor_model_parallel_size < 1:
+            raise ValueError(f"`trainer.strategy.tensor_model_parallel_size` must be >= 1, got {tensor_model_parallel_size}.")
+        if pipeline_model_parallel_size < 1:
+            raise ValueError(
+                f"`trainer.strategy.pipeline_model_parallel_size` must be >= 1, got {pipeline_model_parallel_size}."
+            )
+        super().__init__(timeout=timedelta(minutes=timeout_minutes), **kwargs)
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        if engine is None:
+            from yatt_lightning.rollout.vllm_engine import VLLMEngine
+
+            engine = VLLMEngine()
+        self.engine = engine
+        self._engine_started = False
+        self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
+        self.phase_times: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ parallel state
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Lightning's process group
+        self._init_megatron()
+
+    def _init_megatron(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        tp, pp, world = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size
+        if world % (tp * pp):
+            raise ValueError(
+                f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
+                f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
+            )
+        if ps.model_parallel_is_initialized():  # a second fit/validate re-enters setup
+            if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+                raise RuntimeError("Megatron's parallel state is already initialised with a different layout in this process.")
+            return
+        with megatron_cpu_context():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        log.info(
+            "Megatron parallel state: world=%d tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
+            world, tp, pp, world // (tp * pp), self.global_rank, ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+        )  # fmt: skip
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard data by data-parallel rank: the ranks of one model-parallel group share their data.
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    # ------------------------------------------------------------------ set-up and teardown
+    @override
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        if self._engine_started:
+            return
+        spec = self.lightning_module.rollout_engine_spec()
+        t0 = time.perf_counter()
+        self.engine.start(
+            spec["model_path"],
+            tensor_parallel_size=1,
+            seed=spec["seed"],
+            max_num_seqs=spec["max_num_seqs"],
+            max_model_len=spec["max_model_len"],
+            dtype=spec["dtype"],
+        )
+        self._engine_started = True
+        # vLLM reseeds the global RNG when it starts; put the trainer's seed back.
+        torch.manual_seed(spec["seed"] + self.global_rank)
+        log.info("rank %d: rollout engine started in %.1fs", self.global_rank, time.perf_counter() - t0)
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # Megatron places its own parameters (CPU, or the current CUDA device)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine_started:
+            self.engine.shutdown()  # before the process group goes: vLLM's groups hang off it
+            self._engine_started = False
+        super().teardown()
+
+    # ------------------------------------------------------------------ rollouts
+    def mark_weights_stale(self) -> None:
+        """The engine's weights no longer match the policy (restored from a checkpoint, say)."""
+        self._engine_weights_version = None
+
+    @contextlib.contextmanager
+    def rollout_context(self) -> Iterator[RolloutEngine]:
+        """Engine ready with the policy's current weights; training memory released while inside (GPU)."""
+        module = self.lightning_module
+        version = module.weights_version
+        t0 = time.perf_counter()
+        self.engine.wake_up()
+        if self._engine_weights_version != version:
+            self.engine.push_weights(module.policy.export_hf())
+            self._engine_weights_version = version
+        self.phase_times["sync"] = time.perf_counter() - t0
+        try:
+            yield self.engine
+        finally:
+            self.engine.sleep()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+        """Completions for this data-parallel rank's prompts."""
+        with self.rollout_context() as engine:
+            return engine.generate(prompts, sampling, seeds)
+
+    # ------------------------------------------------------------------ failures on one rank
+    def raise_if_any_rank_failed(self, error: BaseException | None) -> None:
+        """Collective: if any rank hit an error, raise on every rank (so none waits forever in a collective)."""
+        flag = torch.tensor([0.0 if error is None else 1.0])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(flag)
+        if error is not None:
+            raise error
+        if flag.item() > 0:
+            raise RuntimeError("another rank failed; its error is in that rank's log")
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the policy is saved sharded by save_checkpoint, not gathered on rank 0
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        from yatt_lightning import checkpoint as ckpt
+
+        ckpt.save(self, checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path) -> dict[str, Any]:
+        from yatt_lightning import checkpoint as ckpt
+
+        return ckpt.load_trainer_state(self, checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        from yatt_lightning import checkpoint as ckpt
+
+        ckpt.load_policy(self, checkpoint)
+        self.mark_weights_stale()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # restored with the model by load_model_state_dict
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        from yatt_lightning import checkpoint as ckpt
+
+        if self.is_global_zero:
+            ckpt.remove(filepath)
