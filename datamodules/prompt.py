@@ -15,8 +15,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
-
 from yatt_lightning.datamodules.tasks import AlphabetTask
+
+from yatt_lightning.seeding import resolve_seed
 
 
 class PromptDataset(Dataset):
@@ -45,7 +46,9 @@ def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object with a {prompt_key!r} field, got {type(row).__name__}.")
+                raise ValueError(
+                    f"{where}: expected a JSON object with a {prompt_key!r} field, got {type(row).__name__}."
+                )
             if prompt_key not in row:
                 raise ValueError(f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}).")
             if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
@@ -70,7 +73,7 @@ class PromptDataModule(pl.LightningDataModule):
     batch_size: Prompts per data-parallel rank per RL step (each is sampled ``model.sampling.n`` times).
     prompt_key: Field of each row holding the prompt.
     shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
-    seed: Seed of the shuffle.
+    seed: Seed of the shuffle; ``None`` follows ``seed_everything``.
     num_workers: Data-loader worker processes.
     """
 
@@ -81,7 +84,7 @@ class PromptDataModule(pl.LightningDataModule):
         batch_size: int = 16,
         prompt_key: str = "prompt",
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -96,7 +99,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.prompt_key = prompt_key
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.num_workers = num_workers
         self.dataset: PromptDataset | None = None
 

@@ -1,7 +1,7 @@
 """Built-in synthetic tasks: prompts with a verifiable answer, generated from a seed.
 
 The default task, :class:`AlphabetTask`, asks a model to continue the alphabet from a letter
-("after f comes" -> "g h i j"). A random-initialised tiny model can learn it with RL in minutes on
+("after f" -> "g h i j"). A random-initialised tiny model can learn it with RL in minutes on
 two CPU cores: the right next token depends only on the previous token, so even a two-layer model
 represents the rule, and the rule reward (:func:`yatt_lightning.rewards.rules.alphabet_reward`)
 gives partial credit per position so the signal is dense from step one.
@@ -17,7 +17,7 @@ LETTERS = string.ascii_lowercase
 
 
 class AlphabetTask:
-    """Rows ``{"prompt": "after f comes", "answer": "g h i j"}`` for random start letters.
+    """Rows ``{"prompt": "after f", "answer": "g h i j"}`` for random start letters.
 
     Args:
         num_rows: How many rows the task yields (its dataset length).
@@ -41,7 +41,7 @@ class AlphabetTask:
     def row(self, start: str) -> dict:
         i = LETTERS.index(start)
         answer = " ".join(LETTERS[(i + k) % 26] for k in range(1, self.answer_len + 1))
-        return {"prompt": f"after {start} comes", "answer": answer}
+        return {"prompt": f"after {start}", "answer": answer}
 
     @staticmethod
     def corpus() -> Iterator[str]:

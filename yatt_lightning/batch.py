@@ -43,7 +43,9 @@ class RolloutBatch:
     def sequence_lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
 
-    def microbatches(self, indices: list[int], micro_batch_size: int, pad_id: int, pad_to_multiple: int = 8) -> list[dict]:
+    def microbatches(
+        self, indices: list[int], micro_batch_size: int, pad_id: int, pad_to_multiple: int = 8
+    ) -> list[dict]:
         """Right-padded micro-batches of the samples ``indices`` (in that order).
 
         Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a

@@ -8,6 +8,7 @@ so a folder with the final name is complete. Layout::
       weights/              Megatron distributed checkpoint (model + optimizer), any TP/PP/DP layout
       trainer_rank0.pt      Lightning's checkpoint dict for rank 0 (without the model)
       trainer_rank1.pt      ...
+      hf/                   the policy's Hugging Face config and tokenizer (for export)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from yatt_lightning.models.cpu import megatron_cpu_context
 
 WEIGHTS = "weights"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
 
 
 def trainer_state_file(folder: Path, rank: int) -> Path:
@@ -45,6 +48,11 @@ def save(strategy, checkpoint: dict[str, Any], filepath) -> None:
     if strategy.is_global_zero:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / WEIGHTS).mkdir(parents=True)
+        (tmp / "hf").mkdir()
+        model_path = Path(strategy.lightning_module.model_path)
+        for name in HF_FILES:
+            if (model_path / name).is_file():
+                shutil.copy2(model_path / name, tmp / "hf" / name)
     strategy.barrier("checkpoint-mkdir")
     policy = strategy.lightning_module.policy
     with megatron_cpu_context():

@@ -59,6 +59,32 @@ class YattCLI(LightningCLI):
             run=run,
         )
 
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        check_layout(self.model, self.trainer)
+
+
+def check_layout(model: RLHFModule, trainer) -> None:
+    """Fail before any process is launched when the parallel layout cannot split the model."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, MegatronStrategy):
+        raise ValueError(
+            f"`trainer.strategy` must be yatt_lightning.strategy.MegatronStrategy (or a subclass), got "
+            f"{type(strategy).__name__}."
+        )
+    from transformers import AutoConfig
+
+    from yatt_lightning.models.gpt import HFArch
+
+    tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
+    HFArch.from_hf_config(AutoConfig.from_pretrained(model.policy_spec.resolve())).check_parallel(tp, pp)
+    world = trainer.num_devices * trainer.num_nodes
+    if world % (tp * pp):
+        raise ValueError(
+            f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
+            f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
+        )
+
 
 def main(args: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

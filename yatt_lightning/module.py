@@ -26,6 +26,7 @@ from yatt_lightning.optim import OptimizerSettings
 from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
 from yatt_lightning.rewards.base import FunctionReward
 from yatt_lightning.rollout.base import SamplingConfig
+from yatt_lightning.seeding import resolve_seed
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -55,7 +56,7 @@ class RLHFModule(pl.LightningModule):
         max_prompt_tokens: Longest prompt accepted, in tokens; a longer one is an error naming its row.
         apply_chat_template: Wrap each prompt in the tokenizer's chat template when it has one.
         log_samples: Completions written to TensorBoard as text every ``log_every_n_steps``.
-        seed: Seed of sampling and of mini-batch shuffling.
+        seed: Seed of sampling and of mini-batch shuffling; ``None`` follows ``seed_everything``.
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class RLHFModule(pl.LightningModule):
         max_prompt_tokens: int = 128,
         apply_chat_template: bool = True,
         log_samples: int = 4,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         for key, value, low in (
@@ -103,7 +104,7 @@ class RLHFModule(pl.LightningModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.apply_chat_template = apply_chat_template
         self.log_samples = log_samples
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.policy = None
         self.reference = None
         self.tokenizer = None
@@ -168,7 +169,13 @@ class RLHFModule(pl.LightningModule):
         stats = self.update(rollouts)
         t3 = time.perf_counter()
         sync = strategy.phase_times.get("sync", 0.0)
-        self.phase_times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}
+        self.phase_times = {
+            "rollout": t1 - t0 - sync,
+            "sync": sync,
+            "reward": t2 - t1,
+            "train": t3 - t2,
+            "step": t3 - t0,
+        }
         self.last_rollouts = rollouts
         self._log_step(rollouts, stats)
         return {"reward_mean": float(rollouts.rewards.mean())}
@@ -283,9 +290,7 @@ class RLHFModule(pl.LightningModule):
         metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
         loss_sum = (per_token * mask).sum()
         num_tokens = mask.sum().to(torch.int)
-        row = [mask.sum()] + [
-            (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in _TOKEN_METRICS
-        ]
+        row = [mask.sum()] + [(metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in _TOKEN_METRICS]
         finite = torch.isfinite(loss_sum)
         if not finite:  # keep the schedule going so every rank reaches the check after it
             loss_sum = torch.nan_to_num(loss_sum) * 0
@@ -307,7 +312,11 @@ class RLHFModule(pl.LightningModule):
 
         def collect(mb, logits):
             lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], self.sampling.temperature)
-            return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": RolloutBatch.unpack_per_token(mb, lp)}
+            return (
+                torch.zeros(()),
+                mb["loss_mask"].sum().to(torch.int),
+                {"logprobs": RolloutBatch.unpack_per_token(mb, lp)},
+            )
 
         outputs = model.forward_backward(mbs, collect, forward_only=True)
         if not outputs:  # not the last pipeline stage: only the last stage computes the loss
@@ -322,7 +331,11 @@ class RLHFModule(pl.LightningModule):
         """Largest |engine logprob - policy logprob| over sampled tokens (before the update)."""
         if rollouts.old_logprobs is None:
             return float("nan")
-        diffs = [(a - b).abs().max().item() for a, b in zip(rollouts.old_logprobs, rollouts.rollout_logprobs) if len(a)]
+        diffs = [
+            (a - b).abs().max().item()
+            for a, b in zip(rollouts.old_logprobs, rollouts.rollout_logprobs, strict=True)
+            if len(a)
+        ]
         return max(diffs, default=0.0)
 
     def _reduce_token_metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -371,3 +384,19 @@ class RLHFModule(pl.LightningModule):
             {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]},
             prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True,
         )  # fmt: skip
+        self._log_samples(rollouts)
+
+    def _log_samples(self, rollouts: RolloutBatch) -> None:
+        """A few of rank 0's completions as a Markdown table in TensorBoard's Text tab."""
+        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs scalars at
+        writer = getattr(self.logger, "experiment", None) if self.logger is not None else None
+        if not (self.log_samples and self.trainer.is_global_zero and hasattr(writer, "add_text")):
+            return
+        if step % self.trainer.log_every_n_steps:
+            return
+        lines = ["| prompt | completion | reward |", "|---|---|---|"]
+        for i in range(min(self.log_samples, len(rollouts))):
+            cells = [rollouts.prompts[i], rollouts.completions[i]]
+            cells = [c.replace("|", "\\|").replace("\n", " ") for c in cells]
+            lines.append(f"| {cells[0]} | {cells[1]} | {float(rollouts.rewards[i]):.3f} |")
+        writer.add_text("rollout/samples", "\n".join(lines), step)

@@ -48,7 +48,9 @@ class MegatronStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if tensor_model_parallel_size < 1:
-            raise ValueError(f"`trainer.strategy.tensor_model_parallel_size` must be >= 1, got {tensor_model_parallel_size}.")
+            raise ValueError(
+                f"`trainer.strategy.tensor_model_parallel_size` must be >= 1, got {tensor_model_parallel_size}."
+            )
         if pipeline_model_parallel_size < 1:
             raise ValueError(
                 f"`trainer.strategy.pipeline_model_parallel_size` must be >= 1, got {pipeline_model_parallel_size}."
@@ -82,7 +84,9 @@ class MegatronStrategy(DDPStrategy):
             )
         if ps.model_parallel_is_initialized():  # a second fit/validate re-enters setup
             if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-                raise RuntimeError("Megatron's parallel state is already initialised with a different layout in this process.")
+                raise RuntimeError(
+                    "Megatron's parallel state is already initialised with a different layout in this process."
+                )
             return
         with megatron_cpu_context():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

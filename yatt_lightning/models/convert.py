@@ -77,7 +77,9 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ names
-def megatron_to_hf(name: str, full: torch.Tensor, arch: HFArch, layer_offset: int = 0) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    name: str, full: torch.Tensor, arch: HFArch, layer_offset: int = 0
+) -> list[tuple[str, torch.Tensor]]:
     """Hugging Face (name, tensor) pairs for one full (TP-gathered) Megatron tensor."""
     if name in _TOP_SIMPLE:
         if name == "output_layer.weight" and arch.tie_word_embeddings:

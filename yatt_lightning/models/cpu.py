@@ -122,16 +122,21 @@ class _FakeEvent:
         return 0.0
 
 
-def _noop(*args, **kwargs) -> None:
-    return None
+def _noop():
+    """A fresh no-op function per stand-in: torch.compile refuses one object registered under two names."""
+
+    def noop(*args, **kwargs) -> None:
+        return None
+
+    return noop
 
 
 _CUDA_STANDINS = {
     "current_device": lambda: 0,
     "device_count": lambda: 1,
-    "set_device": _noop,
-    "synchronize": _noop,
-    "empty_cache": _noop,
+    "set_device": _noop(),
+    "synchronize": _noop(),
+    "empty_cache": _noop(),
     "Stream": _FakeStream,
     "Event": _FakeEvent,
     "stream": lambda *a, **k: contextlib.nullcontext(),
@@ -144,8 +149,8 @@ _CUDA_STANDINS = {
     "memory_allocated": lambda *a, **k: 0,
     "max_memory_allocated": lambda *a, **k: 0,
     "memory_reserved": lambda *a, **k: 0,
-    "reset_peak_memory_stats": _noop,
-    "nvtx": type("nvtx", (), {"range_push": staticmethod(_noop), "range_pop": staticmethod(_noop)}),
+    "reset_peak_memory_stats": _noop(),
+    "nvtx": type("nvtx", (), {"range_push": staticmethod(_noop()), "range_pop": staticmethod(_noop())}),
 }
 
 _lock = threading.RLock()

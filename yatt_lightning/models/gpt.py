@@ -46,7 +46,9 @@ class HFArch:
         rope = getattr(cfg, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
-            raise ValueError(f"`model.policy.path`: rope scaling {rope_type!r} is not supported yet (only default RoPE).")
+            raise ValueError(
+                f"`model.policy.path`: rope scaling {rope_type!r} is not supported yet (only default RoPE)."
+            )
         theta = rope["rope_theta"] if "rope_theta" in rope else getattr(cfg, "rope_theta", 10000.0)
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -209,7 +209,9 @@ def _safetensors_reader(folder: Path) -> Callable[[str], torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         weight_map = None
     else:
-        raise ValueError(f"`model.policy.path`: {folder} has no model.safetensors (or index); only safetensors weights load.")
+        raise ValueError(
+            f"`model.policy.path`: {folder} has no model.safetensors (or index); only safetensors weights load."
+        )
     handles: dict[str, object] = {}
 
     def get(name: str) -> torch.Tensor:

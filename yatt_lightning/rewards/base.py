@@ -91,5 +91,7 @@ def load_callable(path: str, key: str = "model.reward_fn") -> Callable:
     params = list(inspect.signature(fn).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise ValueError(f"`{key}`: {path} must accept (prompt, completion, **row); its signature is {inspect.signature(fn)}.")
+        raise ValueError(
+            f"`{key}`: {path} must accept (prompt, completion, **row); its signature is {inspect.signature(fn)}."
+        )
     return fn

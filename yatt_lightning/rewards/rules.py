@@ -18,5 +18,5 @@ def alphabet_reward(prompt: str, completion: str, answer: str, **row) -> float:
     expected = answer.split()
     got = completion.split()[: len(expected)]
     letters = sum(1 for w in got if w in _LETTERS)
-    correct = sum(1 for w, e in zip(got, expected) if w == e)
+    correct = sum(1 for w, e in zip(got, expected, strict=False) if w == e)
     return 0.5 * letters / len(expected) + 0.5 * correct / len(expected)

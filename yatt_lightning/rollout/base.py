@@ -57,7 +57,14 @@ class RolloutEngine(Protocol):
     """An inference engine the strategy owns: started once, fed fresh weights before each rollout."""
 
     def start(
-        self, model_path: Path, *, tensor_parallel_size: int, seed: int, max_num_seqs: int, max_model_len: int, dtype: str
+        self,
+        model_path: Path,
+        *,
+        tensor_parallel_size: int,
+        seed: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        dtype: str,
     ) -> None:
         """Create the engine for the model in ``model_path`` (a Hugging Face folder)."""
 

@@ -150,9 +150,7 @@ class VLLMEngine:
             )
             for seed in seeds
         ]
-        outputs = self._llm().generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
+        outputs = self._llm().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         results = []
         for out in outputs:
             group = []

@@ -1,0 +1,32 @@
+"""Shared pieces of the bench scripts: build a trainer from the real CLI with extra callbacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+
+
+def build_cli(overrides: list[str], *, logger: bool = False):
+    """A YattCLI (not yet run) for the tiny config with ``overrides``; checkpointing off unless asked."""
+    import os
+
+    import torch
+
+    from yatt_lightning.cli import YattCLI
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    args = ["--config", TINY, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
+    if not logger:
+        args += ["--trainer.logger", "false"]
+    return YattCLI(args=args + overrides, run=False)
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    import torch
+
+    t = torch.tensor(values, dtype=torch.float64).nan_to_num(nan=-1.0)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()

@@ -1,0 +1,58 @@
+"""Helpers for tests that run real processes (the CLI, multi-process gloo jobs) under a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def run(cmd: list[str], *, cwd: Path | None = None, timeout: float = 600, env: dict | None = None, check: bool = True):
+    """Run ``cmd``; on failure (or timeout) show its output in the assertion message."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-4000:]
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out}") from None
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}: {' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def yatt(args: list[str], *, cwd: Path, timeout: float = 600, check: bool = True, env: dict | None = None):
+    return run([sys.executable, "-m", "yatt_lightning.cli", *args], cwd=cwd, timeout=timeout, check=check, env=env)
+
+
+def run_script(name: str, *args: str, timeout: float = 600, cwd: Path | None = None) -> dict:
+    """Run ``tests/scripts/<name>``; it prints one JSON object as its last line, returned here."""
+    proc = run([sys.executable, str(SCRIPTS / name), *args], timeout=timeout, cwd=cwd)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted(log_dir.rglob("events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {log_dir}"
+    acc = EventAccumulator(str(files[-1]), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_texts(log_dir: Path) -> dict[str, list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted(log_dir.rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[-1]), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {
+        tag: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)] for tag in acc.Tags().get("tensors", [])
+    }

@@ -1,0 +1,40 @@
+"""Tier 1: packing rollouts into micro-batches (alignment of logits, targets and masks)."""
+
+import torch
+
+from yatt_lightning.batch import RolloutBatch
+
+
+def _batch():
+    return RolloutBatch(
+        prompts=["a", "b"],
+        prompt_ids=[[10, 11, 12], [20]],
+        completion_ids=[[13, 14], [21, 22, 23]],
+        completions=["", ""],
+        rows=[{}, {}],
+        group_ids=torch.tensor([0, 1]),
+        rollout_logprobs=[torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])],
+        finish_reasons=["length", "stop"],
+        advantages=torch.tensor([0.5, -0.5]),
+        old_logprobs=[torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])],
+    )
+
+
+def test_microbatch_masks_mark_positions_predicting_completion_tokens():
+    (mb,) = _batch().microbatches([0, 1], micro_batch_size=2, pad_id=0, pad_to_multiple=1)
+    assert mb["input_ids"].tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 23, 0]]
+    # position t predicts token t+1: sample 0's completion tokens 13, 14 are predicted at positions 2, 3
+    assert mb["loss_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    targets = mb["input_ids"][:, 1:][mb["loss_mask"].bool()]
+    assert targets.tolist() == [13, 14, 21, 22, 23]
+    assert mb["old_logprobs"][mb["loss_mask"].bool()].tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert mb["advantages"].tolist() == [0.5, -0.5]
+
+
+def test_microbatches_split_and_pad_to_multiple():
+    mbs = _batch().microbatches([1, 0], micro_batch_size=1, pad_id=0, pad_to_multiple=8)
+    assert [mb["input_ids"].shape for mb in mbs] == [(1, 8), (1, 8)]
+    assert [mb["sample_index"].tolist() for mb in mbs] == [[1], [0]]
+    values = torch.zeros(1, 7)
+    values[0, 0:3] = torch.tensor([7.0, 8.0, 9.0])
+    assert RolloutBatch.unpack_per_token(mbs[0], values)[0].tolist() == [7.0, 8.0, 9.0]

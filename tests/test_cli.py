@@ -1,0 +1,140 @@
+"""Tier 3: `yatt fit` end to end through the real CLI on the tiny model (real vLLM, Megatron, TensorBoard)."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, read_scalars, read_texts, yatt
+
+TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses_through_the_cli(config, tmp_path):
+    proc = yatt(["fit", "--config", str(config), "--print_config"], cwd=tmp_path, timeout=120)
+    assert "class_path: yatt_lightning.module.RLHFModule" in proc.stdout or "RLHFModule" in proc.stdout
+
+
+def test_cli_overrides_reach_the_config(tmp_path):
+    proc = yatt(
+        ["fit", "--config", TINY, "--trainer.max_steps", "7", "--model.algorithm.clip_eps", "0.3", "--print_config"],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert "max_steps: 7" in proc.stdout and "clip_eps: 0.3" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (["--model.no_such_key", "1"], "no_such_key"),
+        (["--trainer.max_steps", "many"], "max_steps"),
+        (["--model.sampling.n", "0"], "`model.sampling.n` must be >= 1"),
+        (["--model.policy.path", "/no/such/model"], "model folder '/no/such/model' does not exist"),
+        (["--trainer.strategy.tensor_model_parallel_size", "3"], "=3 does not divide the model's 4 attention heads"),
+    ],
+)
+def test_bad_config_is_reported_with_the_key(override, expected, tmp_path):
+    proc = yatt(["fit", "--config", TINY, *override], cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stderr + proc.stdout
+
+
+def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt_dir.parent / "flat.pt"
+    dcp_to_torch_save(str(ckpt_dir / "weights"), str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
+    yatt(
+        ["fit", "--config", TINY, "--trainer.max_steps", "4", "--trainer.callbacks+=ModelCheckpoint",
+         "--trainer.callbacks.every_n_train_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+        cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    log_dir = tmp_path / "runs" / "grpo_tiny"
+    scalars = read_scalars(log_dir)
+    for tag in ("reward/mean", "reward/std", "actor/pg_loss", "actor/kl", "actor/clip_fraction", "actor/entropy",
+                "response_length/mean", "perf/rollout_tokens_per_s", "time/rollout", "time/reward", "time/train",
+                "time/sync", "rollout/logprob_diff_max"):  # fmt: skip
+        assert tag in scalars, f"{tag} missing from TensorBoard; have {sorted(scalars)}"
+    assert [s for s, _ in scalars["reward/mean"]] == [0, 1, 2, 3]
+    assert all(v > 0 for _, v in scalars["time/train"])
+    assert max(v for _, v in scalars["rollout/logprob_diff_max"]) < 1e-3
+    texts = read_texts(log_dir)["rollout/samples/text_summary"]
+    assert texts and "| after " in texts[0]
+
+    ckpts = sorted(log_dir.rglob("*.ckpt"))
+    assert ckpts, "no checkpoint written"
+    ckpt = ckpts[-1]
+    assert (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "hf" / "config.json").is_file()
+    assert not list(log_dir.rglob("*.tmp")), "a temporary checkpoint folder was left behind"
+    state = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)
+    assert state["global_step"] == 4
+
+    from safetensors.torch import load_file
+
+    initial = load_file(str(tiny_model_path / "model.safetensors"))
+    final = _final_weights(ckpt)
+    before = initial["model.layers.0.mlp.down_proj.weight"]
+    after = final["model.decoder.layers.mlp.linear_fc2.weight"][0]  # Megatron stacks layers in checkpoints
+    assert after.shape == before.shape
+    assert not torch.equal(after, before), "training did not change the weights"
+
+
+@pytest.mark.slow
+def test_user_model_prompts_and_reward_without_editing_the_package(tmp_path, tiny_model_path):
+    """A user's own HF folder (--model.policy.path), jsonl prompts (--data.path) and reward function
+    from a module in the working directory (--model.reward_fn)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"after {c} comes", "target": c}) + "\n" for c in "abcdefgh"))
+    (tmp_path / "my_reward.py").write_text(
+        textwrap.dedent(
+            """
+            def score(prompt: str, completion: str, **row) -> float:
+                assert "target" in row, row
+                return float(row["target"] in completion)
+            """
+        )
+    )
+    common = ["fit", "--config", TINY, "--trainer.max_steps", "2", "--trainer.logger", "false",
+              "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+              "--model.policy.path", str(tiny_model_path), "--data.path", str(data), "--data.batch_size", "4"]  # fmt: skip
+    yatt([*common, "--model.reward_fn", "my_reward.score"], cwd=tmp_path, timeout=600)
+
+    (tmp_path / "bad_reward.py").write_text("def score(prompt, completion, **row):\n    return 1 / 0\n")
+    proc = yatt([*common, "--model.reward_fn", "bad_reward.score"], cwd=tmp_path, timeout=600, check=False)
+    assert proc.returncode != 0
+    assert "bad_reward.score raised ZeroDivisionError" in proc.stderr
+    assert f"{data}:" in proc.stderr and "prompt 'after " in proc.stderr
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_a_clear_error(tmp_path):
+    (tmp_path / "nan_module.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from yatt_lightning.module import RLHFModule
+
+            class NaNLoss(RLHFModule):
+                def loss(self, logprobs, mb):
+                    per_token, metrics = super().loss(logprobs, mb)
+                    return per_token * torch.nan, metrics
+            """
+        )
+    )
+    proc = yatt(
+        ["fit", "--config", TINY, "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+         "--trainer.enable_checkpointing", "false", "--model.class_path", "nan_module.NaNLoss"],
+        cwd=tmp_path, timeout=600, check=False, env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "NonFiniteLossError: the policy loss is NaN/inf at step 0" in proc.stderr

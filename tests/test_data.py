@@ -1,0 +1,97 @@
+"""Tier 1: prompt loading, data-parallel sharding and resumable loading."""
+
+import json
+
+import pytest
+from yatt_lightning.datamodules.prompt import PromptDataModule, read_jsonl
+from yatt_lightning.datamodules.tasks import AlphabetTask
+
+
+class _FakeStrategy:
+    def __init__(self, replicas, rank):
+        self.distributed_sampler_kwargs = {"num_replicas": replicas, "rank": rank}
+
+
+class _FakeTrainer:
+    def __init__(self, replicas=1, rank=0):
+        self.strategy = _FakeStrategy(replicas, rank)
+
+
+def _loader(dm, replicas=1, rank=0):
+    dm.trainer = _FakeTrainer(replicas, rank)
+    dm.setup("fit")
+    return dm.train_dataloader()
+
+
+def test_jsonl_rows_keep_their_fields(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"question": "hi", "answer": "x"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:3: no 'prompt' field \(fields: answer, question\)"):
+        read_jsonl(path)
+    path.write_text('{"question": "hi", "answer": "x"}\n')
+    rows = read_jsonl(path, prompt_key="question")
+    assert rows == [{"prompt": "hi", "answer": "x", "_source": f"{path}:1"}]
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"prompt": "a", ', "not valid JSON"),
+        ('["prompt"]', "expected a JSON object"),
+        ('{"prompt": ""}', "'prompt' must be a non-empty string"),
+    ],
+)
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, line, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: {match}"):
+        read_jsonl(path)
+
+
+def test_missing_data_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="`data.path`: .*nope.jsonl does not exist"):
+        PromptDataModule(path=str(tmp_path / "nope.jsonl"))
+
+
+def test_path_and_task_together_is_an_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="choose one"):
+        PromptDataModule(path=str(path), task=AlphabetTask())
+
+
+def test_alphabet_task_rows():
+    rows = AlphabetTask(num_rows=3, answer_len=3, seed=1).rows()
+    assert rows == AlphabetTask(num_rows=3, answer_len=3, seed=1).rows()
+    assert AlphabetTask().row("y") == {"prompt": "after y comes", "answer": "z a b c"}
+
+
+def test_data_parallel_shards_are_disjoint_and_cover_the_data():
+    ids = []
+    for rank in range(2):
+        dm = PromptDataModule(task=AlphabetTask(num_rows=64), batch_size=4, seed=3)
+        ids.append([row["_id"] for batch in _loader(dm, 2, rank) for row in batch])
+    assert len(ids[0]) == len(ids[1]) == 32
+    assert not set(ids[0]) & set(ids[1])
+    assert set(ids[0]) | set(ids[1]) == set(range(64))
+
+
+def test_loader_resumes_mid_epoch_with_the_same_order():
+    dm = PromptDataModule(task=AlphabetTask(num_rows=40), batch_size=4, seed=5)
+    loader = _loader(dm)
+    full = [[r["_id"] for r in b] for b in loader]
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint round-trip
+    dm2 = PromptDataModule(task=AlphabetTask(num_rows=40), batch_size=4, seed=5)
+    loader2 = _loader(dm2)
+    loader2.load_state_dict(state)
+    rest = [[r["_id"] for r in b] for b in loader2]
+    assert rest == full[3:]
+
+
+def test_too_small_dataset_is_explained():
+    dm = PromptDataModule(task=AlphabetTask(num_rows=3), batch_size=4)
+    with pytest.raises(ValueError, match="fewer than one step needs"):
+        _loader(dm)

@@ -1,0 +1,60 @@
+"""Tier 1: rule rewards and user reward functions loaded by import path."""
+
+import math
+
+import pytest
+
+from yatt_lightning.rewards.base import FunctionReward, RewardError, load_callable
+from yatt_lightning.rewards.rules import alphabet_reward
+
+
+def test_alphabet_reward_partial_credit():
+    assert alphabet_reward("after f comes", "g h i j", answer="g h i j") == 1.0
+    # all four are letters (format 0.5), two of four correct (0.25)
+    assert alphabet_reward("after f comes", "g h x y", answer="g h i j") == pytest.approx(0.75)
+    # no letters at all
+    assert alphabet_reward("after f comes", "1 2 + =", answer="g h i j") == 0.0
+    # too short: missing positions score 0; extra words ignored
+    assert alphabet_reward("p", "g", answer="g h i j") == pytest.approx(0.25)
+    assert alphabet_reward("p", "g h i j k l", answer="g h i j") == 1.0
+
+
+def test_function_reward_passes_row_fields(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(prompt, completion, answer, **row):\n    return float(completion.strip() == answer)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = FunctionReward("my_rewards.exact")
+    rows = [{"prompt": "q", "answer": "42", "_source": "data.jsonl:1"}, {"prompt": "q", "answer": "7"}]
+    assert fn(["q", "q"], ["42", "8"], rows) == [1.0, 0.0]
+
+
+def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards.py").write_text("def boom(prompt, completion, **row):\n    raise KeyError('answer')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = FunctionReward("bad_rewards.boom")
+    with pytest.raises(RewardError, match=r"bad_rewards.boom raised KeyError.*data.jsonl:3.*'what is 2\+2'.*'four'"):
+        fn(["what is 2+2"], ["four"], [{"prompt": "what is 2+2", "_source": "data.jsonl:3"}])
+
+
+def test_reward_returning_nan_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "nan_rewards.py").write_text("def nan(prompt, completion, **row):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="returned nan"):
+        FunctionReward("nan_rewards.nan")(["p"], ["c"], [{"prompt": "p"}])
+    assert math.isnan(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        ("nodots", "not a dotted import path"),
+        ("no_such_module_xyz.fn", "cannot import module 'no_such_module_xyz'"),
+        ("math.no_such_function", "has no function 'no_such_function'"),
+    ],
+)
+def test_load_callable_errors_name_the_key(path, match):
+    with pytest.raises(ValueError, match=match) as err:
+        load_callable(path)
+    assert "model.reward_fn" in str(err.value)
