@@ -1,0 +1,3 @@
+from yatt_lightning.callbacks.dp_balance import DPLoadBalancer
+
+__all__ = ["DPLoadBalancer"]

@@ -36,6 +36,19 @@ def test_cli_overrides_reach_the_config(tmp_path):
         (["--model.sampling.n", "0"], "`model.sampling.n` must be >= 1"),
         (["--model.policy.path", "/no/such/model"], "model folder '/no/such/model' does not exist"),
         (["--trainer.strategy.tensor_model_parallel_size", "3"], "=3 does not divide the model's 4 attention heads"),
+        (["--trainer.strategy.pipeline_model_parallel_size", "4"], "=4 does not divide the model's 2 layers"),
+        (["--trainer.strategy.tensor_model_parallel_size", "2"], "= 2 does not divide the 1 processes"),
+        (
+            [
+                "--trainer.devices",
+                "2",
+                "--trainer.strategy.tensor_model_parallel_size",
+                "2",
+                "--trainer.strategy.controller",
+                "yatt_lightning.controller.SingleController",
+            ],
+            "SingleController supports data parallelism only",
+        ),  # fmt: skip
     ],
 )
 def test_bad_config_is_reported_with_the_key(override, expected, tmp_path):

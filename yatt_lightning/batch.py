@@ -43,18 +43,41 @@ class RolloutBatch:
     def sequence_lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
 
+    def plan_by_tokens(self, indices: list[int], token_budget: int, pad_to_multiple: int = 8) -> list[list[int]]:
+        """Group ``indices`` into micro-batches whose padded size (samples x longest) fits ``token_budget``.
+
+        Longest first, so each micro-batch holds sequences of similar length (little padding); a
+        sequence longer than the budget gets a micro-batch of its own.
+        """
+        lengths = self.sequence_lengths()
+        plan: list[list[int]] = []
+        longest: list[int] = []
+        for i in sorted(indices, key=lambda i: lengths[i], reverse=True):
+            if plan and (len(plan[-1]) + 1) * longest[-1] <= token_budget:
+                plan[-1].append(i)
+            else:
+                plan.append([i])
+                longest.append(-(-lengths[i] // pad_to_multiple) * pad_to_multiple)
+        return plan
+
     def microbatches(
-        self, indices: list[int], micro_batch_size: int, pad_id: int, pad_to_multiple: int = 8
+        self,
+        indices: list[int],
+        micro_batch_size: int,
+        pad_id: int,
+        pad_to_multiple: int = 8,
+        plan: list[list[int]] | None = None,
     ) -> list[dict]:
-        """Right-padded micro-batches of the samples ``indices`` (in that order).
+        """Right-padded micro-batches of the samples ``indices`` (in that order), ``micro_batch_size``
+        each, or following ``plan`` (lists of sample indices) when given.
 
         Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
         completion token), ``sample_index [b]`` and, where known, ``old_logprobs``, ``ref_logprobs``
         ``[b, s-1]`` and ``advantages [b]``.
         """
         out = []
-        for start in range(0, len(indices), micro_batch_size):
-            chunk = indices[start : start + micro_batch_size]
+        chunks = plan or [indices[s : s + micro_batch_size] for s in range(0, len(indices), micro_batch_size)]
+        for chunk in chunks:
             longest = max(len(self.prompt_ids[i]) + len(self.completion_ids[i]) for i in chunk)
             seq = -(-longest // pad_to_multiple) * pad_to_multiple
             ids = torch.full((len(chunk), seq), pad_id, dtype=torch.long)

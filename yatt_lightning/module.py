@@ -109,6 +109,7 @@ class RLHFModule(pl.LightningModule):
         self.reference = None
         self.tokenizer = None
         self.last_rollouts: RolloutBatch | None = None
+        self.balancer = None  # set by callbacks.DPLoadBalancer
         self.phase_times: dict[str, float] = {}
 
     # ------------------------------------------------------------------ building
@@ -183,7 +184,7 @@ class RLHFModule(pl.LightningModule):
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch."""
         prompt_ids = [self.tokenize_prompt(row) for row in batch]
-        groups = self.trainer.strategy.generate(prompt_ids, self.sampling, self.sample_seeds(batch))
+        groups = self.trainer.strategy.generate(prompt_ids, batch, self.sampling, self.sample_seeds(batch))
         n = self.sampling.n
         samples = [(g, c) for g, group in enumerate(groups) for c in group]
         completion_ids = [c.token_ids for _, c in samples]
@@ -199,10 +200,14 @@ class RLHFModule(pl.LightningModule):
         )
 
     def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
-        """One scalar reward per sample (the sum of the reward functions)."""
-        total = torch.zeros(len(rollouts))
+        """One scalar reward per sample, computed where the rollouts live (see the controller)."""
+        return self.trainer.strategy.controller.score(rollouts, self.score_samples)
+
+    def score_samples(self, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
+        """The sum of the reward functions over samples."""
+        total = torch.zeros(len(completions))
         for fn in self.reward_functions:
-            total += torch.tensor(fn(rollouts.prompts, rollouts.completions, rollouts.rows), dtype=torch.float)
+            total += torch.tensor(fn(prompts, completions, rows), dtype=torch.float)
         return total
 
     def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
@@ -211,7 +216,8 @@ class RLHFModule(pl.LightningModule):
 
     def update(self, rollouts: RolloutBatch) -> dict[str, float]:
         """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
-        pad = self.tokenizer.pad_token_id
+        if self.balancer is not None:
+            rollouts = self.balancer.rebalance(self, rollouts)
         everything = list(range(len(rollouts)))
         if len(rollouts) % self.mini_batches:
             raise ValueError(
@@ -230,7 +236,7 @@ class RLHFModule(pl.LightningModule):
             size = len(order) // self.mini_batches
             for start in range(0, len(order), size):
                 optimizer.zero_grad()
-                mbs = rollouts.microbatches(order[start : start + size], self.micro_batch_size, pad)
+                mbs = self.microbatches(rollouts, order[start : start + size])
                 outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
                     for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
@@ -308,7 +314,7 @@ class RLHFModule(pl.LightningModule):
 
     def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
         """Per-sample logprobs of the completion tokens under ``model`` (forward only)."""
-        mbs = rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id)
+        mbs = self.microbatches(rollouts, indices)
 
         def collect(mb, logits):
             lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], self.sampling.temperature)
@@ -327,10 +333,17 @@ class RLHFModule(pl.LightningModule):
                 result[i] = lp
         return result
 
+    def microbatches(self, rollouts: RolloutBatch, indices: list[int]) -> list[dict]:
+        """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
+        budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
+        plan = rollouts.plan_by_tokens(indices, budget) if budget else None
+        return rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)
+
     def _logprob_mismatch(self, rollouts: RolloutBatch) -> float:
-        """Largest |engine logprob - policy logprob| over sampled tokens (before the update)."""
+        """Largest |engine logprob - policy logprob| over sampled tokens (before the update); 0 on pipeline
+        stages that do not compute logprobs (the value is max-reduced over ranks)."""
         if rollouts.old_logprobs is None:
-            return float("nan")
+            return 0.0
         diffs = [
             (a - b).abs().max().item()
             for a, b in zip(rollouts.old_logprobs, rollouts.rollout_logprobs, strict=True)
@@ -340,25 +353,25 @@ class RLHFModule(pl.LightningModule):
 
     def _reduce_token_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         keys = ("tokens", *_TOKEN_METRICS)
-        t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(t)
+        t = self.trainer.strategy.controller.all_reduce(
+            torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        )
         tokens = max(t[0].item(), 1.0)
         return {k: t[i].item() / tokens for i, k in enumerate(keys) if i > 0}
 
     def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float]) -> None:
         rewards = rollouts.rewards
         lengths = rollouts.response_lengths()
-        gen_tokens = float(lengths.sum())
+        # The ranks of a model-parallel group hold the same rollouts: count them once, at the group's head.
+        w = 1.0 if self.trainer.strategy.is_model_parallel_head else 0.0
         local = torch.tensor(
-            [rewards.sum(), (rewards**2).sum(), float(len(rewards)), lengths.sum(), lengths.max(), gen_tokens,
-             stats["logprob_diff_max"]], dtype=torch.float64,
+            [w * rewards.sum(), w * (rewards**2).sum(), w * len(rewards), w * lengths.sum(), lengths.max(),
+             w * lengths.sum(), stats["logprob_diff_max"]], dtype=torch.float64,
         )  # fmt: skip
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            maxes = local[[4, 6]].clone()
-            torch.distributed.all_reduce(local)
-            torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
-            local[[4, 6]] = maxes
+        controller = self.trainer.strategy.controller
+        maxes = controller.all_reduce(local[[4, 6]].clone(), op=torch.distributed.ReduceOp.MAX)
+        controller.all_reduce(local)
+        local[[4, 6]] = maxes
         r_sum, r_sq, count, len_sum, len_max, tokens, lp_diff = local.tolist()
         mean = r_sum / count
         times = self.phase_times

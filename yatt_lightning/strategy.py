@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from yatt_lightning.controller import Controller, ParallelController
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
@@ -33,7 +34,13 @@ class MegatronStrategy(DDPStrategy):
     Args:
         tensor_model_parallel_size: Ranks that split each layer's weights (TP).
         pipeline_model_parallel_size: Ranks that split the layers into stages (PP).
-        engine: The rollout engine (default: :class:`~yatt_lightning.rollout.VLLMEngine`).
+        engine: The rollout engine (default: :class:`~yatt_lightning.rollout.VLLMEngine`). One engine
+            serves each model-parallel group, split across its TP x PP ranks by the engine's own
+            tensor parallelism.
+        controller: Who moves rollout data (default :class:`~yatt_lightning.controller.ParallelController`;
+            :class:`~yatt_lightning.controller.SingleController` routes everything through rank 0).
+        offload_params: While the engine generates on a GPU, also move the policy's parameters to host
+            memory (gradients and optimizer state always move). Ignored on CPU.
         timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
     """
 
@@ -44,6 +51,8 @@ class MegatronStrategy(DDPStrategy):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         engine: RolloutEngine | None = None,
+        controller: Controller | None = None,
+        offload_params: bool = False,
         timeout_minutes: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -63,6 +72,9 @@ class MegatronStrategy(DDPStrategy):
 
             engine = VLLMEngine()
         self.engine = engine
+        self.controller = controller if controller is not None else ParallelController()
+        self.controller.check_layout(tensor_model_parallel_size, pipeline_model_parallel_size)
+        self.offload_params = offload_params
         self._engine_started = False
         self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
         self.phase_times: dict[str, float] = {}
@@ -72,6 +84,7 @@ class MegatronStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group
         self._init_megatron()
+        self.controller.attach(self)
 
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
@@ -89,7 +102,11 @@ class MegatronStrategy(DDPStrategy):
                 )
             return
         with megatron_cpu_context():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            # tp fastest, then pp, then dp: each model-parallel group is a block of consecutive ranks,
+            # which is how vLLM's external launcher groups the ranks of one tensor-parallel engine.
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp"
+            )
         log.info(
             "Megatron parallel state: world=%d tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
             world, tp, pp, world // (tp * pp), self.global_rank, ps.get_tensor_model_parallel_rank(),
@@ -101,6 +118,11 @@ class MegatronStrategy(DDPStrategy):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_rank()
+
+    @property
+    def is_model_parallel_head(self) -> bool:
+        """True on the first rank of this rank's model-parallel (TP x PP) group: the one that talks to engines."""
+        return self.global_rank % (self.tensor_model_parallel_size * self.pipeline_model_parallel_size) == 0
 
     @property
     def data_parallel_size(self) -> int:
@@ -130,9 +152,9 @@ class MegatronStrategy(DDPStrategy):
         t0 = time.perf_counter()
         self.engine.start(
             spec["model_path"],
-            tensor_parallel_size=1,
+            tensor_parallel_size=self.tensor_model_parallel_size * self.pipeline_model_parallel_size,
             seed=spec["seed"],
-            max_num_seqs=spec["max_num_seqs"],
+            max_num_seqs=spec["max_num_seqs"] * self.controller.engine_batch_scale(),
             max_model_len=spec["max_model_len"],
             dtype=spec["dtype"],
         )
@@ -159,7 +181,11 @@ class MegatronStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def rollout_context(self) -> Iterator[RolloutEngine]:
-        """Engine ready with the policy's current weights; training memory released while inside (GPU)."""
+        """Engine ready with the policy's current weights; training memory released while inside (GPU).
+
+        Order on a GPU: wake the engine, push the weights (the policy's parameters are still resident),
+        offload the training state, generate; then put the engine to sleep and load the state back.
+        """
         module = self.lightning_module
         version = module.weights_version
         t0 = time.perf_counter()
@@ -167,16 +193,19 @@ class MegatronStrategy(DDPStrategy):
         if self._engine_weights_version != version:
             self.engine.push_weights(module.policy.export_hf())
             self._engine_weights_version = version
+        module.policy.offload(params=self.offload_params)
         self.phase_times["sync"] = time.perf_counter() - t0
         try:
             yield self.engine
         finally:
             self.engine.sleep()
+            module.policy.onload()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
-        """Completions for this data-parallel rank's prompts."""
-        with self.rollout_context() as engine:
-            return engine.generate(prompts, sampling, seeds)
+    def generate(
+        self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int]
+    ) -> list[list[Completion]]:
+        """Completions for this data-parallel rank's prompts, through the controller."""
+        return self.controller.generate(prompts, rows, sampling, seeds)
 
     # ------------------------------------------------------------------ failures on one rank
     def raise_if_any_rank_failed(self, error: BaseException | None) -> None:

@@ -51,6 +51,7 @@ class MegatronPolicy(torch.nn.Module):
         self.is_first_stage = ps.is_pipeline_first_stage()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.settings = optimizer
+        self.offloaded = False
         self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
         with megatron_cpu_context():
             model_parallel_manual_seed(seed)
@@ -121,6 +122,32 @@ class MegatronPolicy(torch.nn.Module):
             applied, grad_norm, _ = self.optimizer.step()
         return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
 
+    # ------------------------------------------------------------------ colocation
+    def offload(self, params: bool = False) -> None:
+        """Free this rank's GPU memory for training state while the rollout engine runs.
+
+        Gradient buffers and optimizer state (and with ``params`` the parameter buffers) move to host
+        memory through Megatron-Core's RL helpers. On CPU there is no device memory to free: no-op.
+        """
+        if not torch.cuda.is_available() or self.optimizer is None or self.offloaded:
+            return
+        torch.cuda.synchronize()
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            buffer.offload_to_cpu(move_params=params, move_grads=True)
+        self.optimizer.offload_to_cpu()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` before training."""
+        if not self.offloaded:
+            return
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            buffer.reload_from_cpu(move_params=True, move_grads=True)
+        self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self.offloaded = False
+
     # ------------------------------------------------------------------ weights
     def local_module(self) -> torch.nn.Module:
         """The GPT module itself (inside Megatron's DDP wrapper when training)."""
@@ -128,23 +155,44 @@ class MegatronPolicy(torch.nn.Module):
 
     @torch.no_grad()
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This PP stage's weights under Hugging Face names, gathered over the TP group (full tensors).
+        """All weights under Hugging Face names as full tensors: TP shards gathered, every PP stage's
+        layers broadcast to the whole pipeline group, stage by stage.
 
-        Collective over the TP group: every TP rank must iterate it to the end.
+        Collective over the model-parallel group: every rank of it must iterate to the end.
         """
         from megatron.core import parallel_state as ps
 
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp == 1:
+            yield from self._export_stage()
+            return
+        group = ps.get_pipeline_model_parallel_group()
+        ranks = torch.distributed.get_process_group_ranks(group)
+        mine = ps.get_pipeline_model_parallel_rank()
+        device = next(self.local_module().parameters()).device
+        for stage in range(pp):
+            tensors = [(n, t.contiguous()) for n, t in self._export_stage()] if stage == mine else None
+            meta = [[(n, t.shape, t.dtype) for n, t in tensors] if tensors is not None else None]
+            torch.distributed.broadcast_object_list(meta, src=ranks[stage], group=group)
+            for i, (name, shape, dtype) in enumerate(meta[0]):
+                t = tensors[i][1] if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+                torch.distributed.broadcast(t, src=ranks[stage], group=group)
+                yield name, t
+
+    def _export_stage(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's weights under Hugging Face names, gathered over the TP group."""
+        from megatron.core import parallel_state as ps
+
         group = ps.get_tensor_model_parallel_group()
-        with megatron_cpu_context():
-            for name, param in self.local_module().named_parameters():
-                local = param.detach()
-                if self.tp > 1 and convert.tp_split_dim(name) is not None:
-                    shards = [torch.empty_like(local) for _ in range(self.tp)]
-                    torch.distributed.all_gather(shards, local.contiguous(), group=group)
-                    full = convert.unshard(name, shards)
-                else:
-                    full = local
-                yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
+        for name, param in self.local_module().named_parameters():
+            local = param.detach()
+            if self.tp > 1 and convert.tp_split_dim(name) is not None:
+                shards = [torch.empty_like(local) for _ in range(self.tp)]
+                torch.distributed.all_gather(shards, local.contiguous(), group=group)
+                full = convert.unshard(name, shards)
+            else:
+                full = local
+            yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.local_module().parameters())
@@ -186,10 +234,21 @@ def _wrap_for_training(gpt, config, settings: OptimizerSettings):
 
 
 def load_hf_weights(gpt: torch.nn.Module, folder: Path, arch: HFArch, tp_rank: int, tp: int, layer_offset: int) -> None:
-    """Copy this rank's shards of the Hugging Face checkpoint in ``folder`` into ``gpt``."""
+    """Copy this rank's shards of the Hugging Face checkpoint in ``folder`` into ``gpt``.
+
+    Also tags each parameter as TP-sharded or replicated. Megatron-Core tags them only inside its
+    weight initialisers, which are skipped here (``perform_initialization=False``, the checkpoint
+    provides the values); untagged sharded weights would count as replicated in the gradient norm, so
+    clipping under TP > 1 would differ from TP = 1.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
     get = _safetensors_reader(folder)
     with torch.no_grad():
         for name, param in gpt.named_parameters():
+            dim = convert.tp_split_dim(name)
+            if not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, dim is not None, -1 if dim is None else dim, 1)
             full = convert.hf_to_megatron(name, get, arch, layer_offset)
             part = convert.shard(name, full, tp_rank, tp)
             if part.shape != param.shape:

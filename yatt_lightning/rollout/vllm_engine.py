@@ -103,6 +103,13 @@ class VLLMEngine:
         kwargs = {}
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # The external launcher reads the torchrun variables; Lightning's own launcher sets only some.
+            world = torch.distributed
+            os.environ.setdefault("RANK", str(world.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(world.get_world_size()))
+            os.environ.setdefault(
+                "LOCAL_RANK", str(world.get_rank() % torch.cuda.device_count() if on_gpu else world.get_rank())
+            )
         self.llm = LLM(
             model=str(model_path),
             tensor_parallel_size=tensor_parallel_size,
