@@ -15,6 +15,9 @@ def build_cli(overrides: list[str], *, logger: bool = False):
     import torch
 
     from yatt_lightning.cli import YattCLI
+    from yatt_lightning.logging_setup import configure_logging
+
+    configure_logging()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     args = ["--config", TINY, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]

@@ -97,7 +97,9 @@ def main() -> None:
     top = max(sizes)
     par, single = results[("ParallelController", top)], results[("SingleController", top)]
     flat = [results[("ParallelController", dp)]["peak_rss_mib"] for dp in sizes]
-    print(f"parallel mode: rank 0 peak memory from {sizes[0]} to {top} ranks changes by {max(flat) / min(flat) - 1:+.1%}")
+    print(
+        f"parallel mode: rank 0 peak memory from {sizes[0]} to {top} ranks changes by {max(flat) / min(flat) - 1:+.1%}"
+    )
     print(f"rank0_bytes_ratio={par['bytes_per_step'] / max(single['bytes_per_step'], 1):.2e}", flush=True)
 
 

@@ -90,8 +90,12 @@ def main() -> None:
     off = [r for r in alt.records if not r[0]]
     on = [r for r in alt.records if r[0]]
     print(f"{'':<14}{'steps':>6}{'train phase s':>15}{'imbalance':>11}")
-    print(f"{'unbalanced':<14}{len(off):>6}{statistics.mean(r[1] for r in off):>15.3f}{statistics.mean(r[2] for r in off):>11.3f}")
-    print(f"{'balanced':<14}{len(on):>6}{statistics.mean(r[1] for r in on):>15.3f}{statistics.mean(r[3] for r in on):>11.3f}")
+    print(
+        f"{'unbalanced':<14}{len(off):>6}{statistics.mean(r[1] for r in off):>15.3f}{statistics.mean(r[2] for r in off):>11.3f}"
+    )
+    print(
+        f"{'balanced':<14}{len(on):>6}{statistics.mean(r[1] for r in on):>15.3f}{statistics.mean(r[3] for r in on):>11.3f}"
+    )
     before = statistics.mean(r[2] for r in alt.records)
     after = statistics.mean(r[3] for r in on)
     speedup = statistics.mean(r[1] for r in off) / statistics.mean(r[1] for r in on)

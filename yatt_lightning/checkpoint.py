@@ -1,20 +1,27 @@
-"""Checkpoint folders: the policy and its optimizer sharded (Megatron ``dist_checkpointing``), plus each
-rank's Lightning trainer state (loops, callbacks, data-loader position, RNG).
+"""Checkpoint folders that are complete or absent, and the ``latest`` tracker that only points at complete ones.
 
-A checkpoint is written into ``<name>.tmp`` and renamed to ``<name>`` only after every rank finished,
-so a folder with the final name is complete. Layout::
+Layout of one checkpoint (``step-00000020/``)::
 
-    step=20.ckpt/
-      weights/              Megatron distributed checkpoint (model + optimizer), any TP/PP/DP layout
-      trainer_rank0.pt      Lightning's checkpoint dict for rank 0 (without the model)
-      trainer_rank1.pt      ...
-      hf/                   the policy's Hugging Face config and tokenizer (for export)
+    weights/              Megatron distributed checkpoint: model + optimizer, loadable in any TP/PP/DP layout
+    trainer_rank<r>.pt    rank r's Lightning state: loops, data-loader position, callbacks, RNG
+    hf/                   the policy's Hugging Face config and tokenizer (for ``yatt export``)
+    manifest.json         every file with its size and CRC-32, written last
+
+Writing goes to ``<name>.tmp``. Only when every rank's files are on disk (for an asynchronous save: when
+the background writers of every rank have finished) does :func:`finalize` gather each rank's share of
+the manifest, write it, ``fsync``, rename the folder to its final name and then replace the ``latest``
+tracker (write-then-rename). A crash at any moment therefore leaves ``latest`` pointing at a checkpoint
+whose every file was written and listed; a leftover ``.tmp`` folder is never read and is removed by the
+next save. Loading verifies sizes of all files on every rank and checksums of a share of them per rank.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,56 +29,183 @@ import torch
 
 from yatt_lightning.models.cpu import megatron_cpu_context
 
+log = logging.getLogger(__name__)
+
 WEIGHTS = "weights"
+MANIFEST = "manifest.json"
+TRACKER = "latest"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing files, has files of the wrong size or content, or cannot be found."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
 def trainer_state_file(folder: Path, rank: int) -> Path:
     return folder / f"trainer_rank{rank}.pt"
 
 
-def _sharded_state(policy, *, is_loading: bool) -> dict:
-    model_sd = policy.local_module().sharded_state_dict(prefix="model.")
-    state = {"model": model_sd}
-    if policy.optimizer is not None:
-        state["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-    return state
+# ---------------------------------------------------------------------------------------------- save
+def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous: bool):
+    """Collective: start writing a checkpoint into ``<final>.tmp``.
 
+    Returns Megatron's ``AsyncRequest`` when ``asynchronous`` (its writers run in a forked process; the
+    caller schedules it and :func:`finalize` runs as its last finalize step), else ``None`` once the
+    files are written (the caller then calls :func:`finalize`).
+    """
+    from functools import partial
 
-def save(strategy, checkpoint: dict[str, Any], filepath) -> None:
-    """Collective: every rank writes its shards and trainer state; the folder appears complete or not at all."""
     from megatron.core import dist_checkpointing
 
-    final = Path(filepath)
+    final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
     if strategy.is_global_zero:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in final.parent.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)  # a save that never finished (crash, kill)
         (tmp / WEIGHTS).mkdir(parents=True)
         (tmp / "hf").mkdir()
         model_path = Path(strategy.lightning_module.model_path)
         for name in HF_FILES:
             if (model_path / name).is_file():
                 shutil.copy2(model_path / name, tmp / "hf" / name)
-    strategy.barrier("checkpoint-mkdir")
+    strategy.barrier("checkpoint-begin")
+    _write_durable(trainer_state_file(tmp, strategy.global_rank), _torch_bytes(trainer_state))
     policy = strategy.lightning_module.policy
     with megatron_cpu_context():
-        dist_checkpointing.save(_sharded_state(policy, is_loading=False), str(tmp / WEIGHTS))
-    torch.save(checkpoint, trainer_state_file(tmp, strategy.global_rank))
-    strategy.barrier("checkpoint-written")
-    if strategy.is_global_zero:
+        request = dist_checkpointing.save(
+            _sharded_state(policy, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
+        )
+    if asynchronous:
+        request.add_finalize_fn(partial(finalize, strategy, final))
+        return request
+    return None
+
+
+def finalize(strategy, final: Path) -> None:
+    """Collective: manifest, rename ``.tmp`` to ``final``, then point ``latest`` at it."""
+    final = Path(final)
+    tmp = final.with_name(final.name + ".tmp")
+    rank, world = strategy.global_rank, strategy.world_size
+    mine = [trainer_state_file(tmp, rank)] + sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))
+    if rank == 0:
+        mine += [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
+    entries = {str(p.relative_to(tmp)): _describe(p) for p in mine}
+    gathered = [None] * world
+    if world > 1:
+        torch.distributed.all_gather_object(gathered, entries)
+    else:
+        gathered = [entries]
+    if rank == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        manifest = {"format": 1, "world_size": world, "files": files}
+        _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    strategy.barrier("checkpoint-renamed")
+        _fsync_dir(final.parent)
+        _write_durable(final.parent / TRACKER, final.name.encode(), atomic=True)
+    strategy.barrier("checkpoint-finalized")
 
 
-def load_trainer_state(strategy, filepath) -> dict[str, Any]:
-    folder = Path(filepath)
+def _shared_file(path: Path, root: Path) -> bool:
+    """Files written once (by rank 0) rather than per rank."""
+    rel = path.relative_to(root)
+    name = rel.name
+    return not (name.startswith("trainer_rank") or (rel.parts[0] == WEIGHTS and name.startswith("__")))
+
+
+# ---------------------------------------------------------------------------------------------- verify and resolve
+def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """Problems found in ``folder`` (empty: complete and intact). Checks every file's size, and the
+    CRC-32 of the files whose index in the manifest is ``rank`` modulo ``world``."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return [f"{manifest_path}: missing (the save did not finish)"]
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as err:
+        return [f"{manifest_path}: unreadable ({err})"]
+    problems = []
+    for i, (rel, want) in enumerate(sorted(files.items())):
+        path = folder / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{path}: {size} bytes, the manifest says {want['size']} (truncated or overwritten)")
+        elif i % world == rank and _crc32(path) != want["crc32"]:
+            problems.append(f"{path}: checksum mismatch (corrupted)")
+    return problems
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint folders in ``directory`` that have a manifest, most recently completed first
+    (by the manifest's time, not the step: a new run in an old folder writes lower steps later)."""
+    found = [p for p in Path(directory).glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")]
+    complete = [p for p in found if (p / MANIFEST).is_file()]
+    return sorted(complete, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name), reverse=True)
+
+
+def tracked(directory: Path) -> Path | None:
+    """The checkpoint the ``latest`` tracker names, if any."""
+    tracker = Path(directory) / TRACKER
+    return Path(directory) / tracker.read_text().strip() if tracker.is_file() else None
+
+
+def resolve(strategy, path: Path) -> Path:
+    """Collective: the checkpoint to load for ``path``.
+
+    ``path`` is a checkpoint folder (it must be intact) or a ``latest`` tracker file: then the newest
+    intact checkpoint of that directory, starting from the tracker's, skipping (and reporting) any that
+    is incomplete or corrupted.
+    """
+    path = Path(path)
+    if path.name == TRACKER:
+        directory = path.parent
+        named = tracked(directory)
+        candidates = ([named] if named is not None else []) + [c for c in complete_checkpoints(directory) if c != named]
+        for candidate in candidates:
+            problems = _verify_everywhere(strategy, candidate)
+            if not problems:
+                return candidate
+            log.warning(
+                "checkpoint %s is not usable (%s); falling back to the next older complete checkpoint",
+                candidate, "; ".join(problems[:3]),
+            )  # fmt: skip
+        raise CheckpointError(
+            f"no intact checkpoint in {directory} (tried: {', '.join(c.name for c in candidates) or 'none'})"
+        )
+    problems = _verify_everywhere(strategy, path)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupted: {'; '.join(problems[:5])}. Pass another checkpoint, "
+            f"or `--ckpt_path last` to use the newest intact one."
+        )
+    return path
+
+
+def _verify_everywhere(strategy, folder: Path) -> list[str]:
+    problems = verify(folder, strategy.global_rank, strategy.world_size)
+    if strategy.world_size > 1:
+        gathered = [None] * strategy.world_size
+        torch.distributed.all_gather_object(gathered, problems)
+        problems = sorted({p for part in gathered for p in part})
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- load
+def load_trainer_state(strategy, folder: Path) -> dict[str, Any]:
     state_file = trainer_state_file(folder, strategy.global_rank)
-    if not (folder / WEIGHTS).is_dir() or not state_file.is_file():
-        raise FileNotFoundError(
-            f"{folder} is not a complete yatt-lightning checkpoint: expected {WEIGHTS}/ and {state_file.name}."
+    if not state_file.is_file():
+        raise CheckpointError(
+            f"{folder} has no {state_file.name}: it was written by fewer ranks than this run has "
+            f"({strategy.world_size}); resuming needs the same number of processes."
         )
     checkpoint = torch.load(state_file, map_location="cpu", weights_only=False)
     checkpoint["_yatt_checkpoint_dir"] = str(folder)
@@ -86,10 +220,62 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
     policy = strategy.lightning_module.policy
     with megatron_cpu_context():
         state = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(folder / WEIGHTS))
-        policy.local_module().load_state_dict(state["model"])
+        model_state = {k.removeprefix("model."): v for k, v in state["model"].items()}
+        # Megatron adds `_extra_state` entries (Transformer Engine metadata) that local layers do not have.
+        result = policy.local_module().load_state_dict(model_state, strict=False)
+        if result.missing_keys:
+            raise CheckpointError(f"{folder}: the checkpoint lacks parameters {result.missing_keys[:5]}")
         if policy.optimizer is not None and "optimizer" in state:
             policy.optimizer.load_state_dict(state["optimizer"])
 
 
-def remove(filepath) -> None:
-    shutil.rmtree(Path(filepath), ignore_errors=True)
+def remove(folder: Path) -> None:
+    shutil.rmtree(Path(folder), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _sharded_state(policy, *, is_loading: bool) -> dict:
+    model_sd = policy.local_module().sharded_state_dict(prefix="model.")
+    state = {"model": model_sd}
+    if policy.optimizer is not None:
+        state["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_durable(path: Path, data: bytes, atomic: bool = False) -> None:
+    target = path.with_name(path.name + ".partial") if atomic else path
+    with open(target, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _describe(path: Path) -> dict:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}

@@ -1,7 +1,8 @@
 """The ``yatt`` command: LightningCLI over RLHFModule, PromptDataModule and MegatronStrategy.
 
 ``yatt fit --config configs/grpo_tiny.yaml [--trainer.max_steps 20 ...]`` trains; ``--print_config``
-shows the resolved configuration. Every ``__init__`` argument of the module, data module, strategy
+shows the resolved configuration; ``--ckpt_path last`` resumes. ``yatt export --ckpt_dir DIR --out DIR``
+writes a checkpoint as a Hugging Face model folder. Every ``__init__`` argument of the module, data module, strategy
 and callbacks is a config key with its docstring in ``--help``.
 """
 
@@ -30,7 +31,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
-from yatt_lightning.logging_setup import quiet_third_party  # noqa: E402
+from yatt_lightning.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402
 from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
 
@@ -58,6 +59,29 @@ class YattCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last``: the ``latest`` tracker of the AsyncCheckpoint folder; the strategy loads the
+        newest intact checkpoint it can find from there (and says so if it had to skip one)."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
+
+        savers = [cb for cb in self.trainer.callbacks if isinstance(cb, AsyncCheckpoint)]
+        if not savers:
+            raise ValueError(
+                "`--ckpt_path last` needs an AsyncCheckpoint callback (its dirpath holds the checkpoints)."
+            )
+        saver = savers[0]
+        if saver.dirpath is None:
+            saver.setup(self.trainer, self.model, "fit")
+        tracker = saver.dirpath / "latest"
+        if tracker.is_file() or any(saver.dirpath.glob("step-*/manifest.json")):
+            config["ckpt_path"] = str(tracker)
+        else:
+            print(f"--ckpt_path last: no checkpoint in {saver.dirpath} yet; starting from step 0", flush=True)
+            config["ckpt_path"] = None
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
@@ -87,9 +111,17 @@ def check_layout(model: RLHFModule, trainer) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if args is None else args
+    configure_logging()
+    if argv[:1] == ["export"]:
+        from yatt_lightning.export import main as export_main
+
+        export_main(argv[1:])
+        return
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    quiet_third_party()
-    YattCLI(args=args)
+    YattCLI(args=argv)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,24 @@ class _DropMessages(logging.Filter):
         return not any(f in message for f in self.fragments)
 
 
+def configure_logging() -> None:
+    """yatt-lightning's own messages at INFO on stderr; third-party noise filtered."""
+    ours = logging.getLogger("yatt_lightning")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[yatt %(levelname)s] %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+    quiet_third_party()
+
+
 def quiet_third_party() -> None:
     # Megatron-Core announces on import that Apex / Transformer Engine are absent (expected on CPU).
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
+    # Scripts that build YattCLI(args=...) keep sys.argv for Lightning to relaunch the other ranks.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated")
     # vLLM's in-place reload warns about the rotary cache, which is not a checkpoint tensor.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(

@@ -110,6 +110,7 @@ class RLHFModule(pl.LightningModule):
         self.tokenizer = None
         self.last_rollouts: RolloutBatch | None = None
         self.balancer = None  # set by callbacks.DPLoadBalancer
+        self.partial_update = False  # True between the first and last optimizer step of an RL step
         self.phase_times: dict[str, float] = {}
 
     # ------------------------------------------------------------------ building
@@ -242,8 +243,10 @@ class RLHFModule(pl.LightningModule):
                     for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
                         sums[key] += value
                 self._check_finite(outputs)
+                self.partial_update = True  # until the last optimizer step of this RL step is taken
                 optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
+        self.partial_update = False
         stats = self._reduce_token_metrics(sums)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         stats["logprob_diff_max"] = self._logprob_mismatch(rollouts)
@@ -307,10 +310,12 @@ class RLHFModule(pl.LightningModule):
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(bad)
         if bad.item() > 0:
-            raise NonFiniteLossError(
+            error = NonFiniteLossError(
                 f"the policy loss is NaN/inf at step {self.trainer.global_step} ({int(bad.item())} micro-batches). "
                 "Check the rewards (finite?), lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
             )
+            error.raised_on_every_rank = True  # the count above was all-reduced
+            raise error
 
     def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
         """Per-sample logprobs of the completion tokens under ``model`` (forward only)."""

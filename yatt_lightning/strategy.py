@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +77,7 @@ class MegatronStrategy(DDPStrategy):
         self.controller.check_layout(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.offload_params = offload_params
         self._engine_started = False
+        self.resumed_from: Path | None = None
         self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
         self.phase_times: dict[str, float] = {}
 
@@ -213,10 +215,11 @@ class MegatronStrategy(DDPStrategy):
         flag = torch.tensor([0.0 if error is None else 1.0])
         if self.world_size > 1:
             torch.distributed.all_reduce(flag)
+        if error is None and flag.item() > 0:
+            error = RuntimeError("another rank failed; its error is in that rank's log")
         if error is not None:
+            error.raised_on_every_rank = True  # every rank raises here: collectives (a save) remain possible
             raise error
-        if flag.item() > 0:
-            raise RuntimeError("another rank failed; its error is in that rank's log")
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -225,15 +228,23 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Synchronous save (Lightning's ``trainer.save_checkpoint`` / ``ModelCheckpoint``): a complete folder
+        or none. :class:`~yatt_lightning.callbacks.AsyncCheckpoint` writes the same format in the background."""
         from yatt_lightning import checkpoint as ckpt
 
-        ckpt.save(self, checkpoint, filepath)
+        ckpt.begin(self, checkpoint, Path(filepath), asynchronous=False)
+        ckpt.finalize(self, Path(filepath))
 
     @override
-    def load_checkpoint(self, checkpoint_path) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint folder, or the newest intact one when given a ``latest`` tracker file."""
         from yatt_lightning import checkpoint as ckpt
 
-        return ckpt.load_trainer_state(self, checkpoint_path)
+        folder = ckpt.resolve(self, Path(checkpoint_path))
+        if self.is_global_zero:
+            log.info("resuming from %s", folder)
+        self.resumed_from = folder
+        return ckpt.load_trainer_state(self, folder)
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

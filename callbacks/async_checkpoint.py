@@ -1,0 +1,282 @@
+"""AsyncCheckpoint: checkpoints written in the background, at safe points, on preemption, at the end.
+
+What a step waits for is the copy of the state (on CPU, a ``fork`` of the training process, whose pages
+are then copy-on-write; on GPU, Megatron's device-to-host copy) and the planning collectives; the files
+are written by Megatron-Core's asynchronous ``dist_checkpointing`` writers in another process. A
+checkpoint becomes visible (renamed from ``.tmp``, then named by the ``latest`` tracker) only after
+every rank's writers finished and the manifest of sizes and checksums is on disk; only then is
+"checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint` for the format.
+
+Saves happen at the safe point of a step (after the optimizer step, before the next weight push):
+every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGTERM or SIGUSR1 arrives on any
+rank (the step in flight finishes, the state is saved, training stops with a log line), and at the end
+of training. On an exception it saves only when the state is consistent (no optimizer step of the
+failed RL step was taken) and every rank raised the same error, and says which it did.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from yatt_lightning import checkpoint as ckpt
+from yatt_lightning.models.cpu import megatron_cpu_context
+
+log = logging.getLogger("yatt_lightning.checkpoint")
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class AsyncCheckpoint(Callback):
+    """Args:
+    dirpath: Folder of the checkpoints and the ``latest`` tracker. ``None``: ``<save_dir>/<name>/checkpoints``
+        of the logger (not its ``version_N`` folder, so a resumed run finds the checkpoints of the run
+        it resumes), or ``<default_root_dir>/checkpoints`` without a logger.
+    every_n_steps: Save after every this many training steps; ``None`` or 0 disables.
+    every_minutes: Also save when this many minutes passed since the last save; ``None`` disables.
+    keep_last: Keep this many newest checkpoints (older ones are deleted in the background, never the
+        one the run resumed from).
+    async_save: Write in the background; ``False`` writes synchronously (same format).
+    save_on_signal: Save and stop on SIGTERM / SIGUSR1.
+    save_at_end: Save when training ends.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_steps: int | None = 10,
+        every_minutes: float | None = None,
+        keep_last: int = 3,
+        async_save: bool = True,
+        save_on_signal: bool = True,
+        save_at_end: bool = True,
+    ) -> None:
+        if every_n_steps is not None and every_n_steps < 0:
+            raise ValueError(f"`AsyncCheckpoint.every_n_steps` must be >= 0, got {every_n_steps}.")
+        if every_minutes is not None and every_minutes <= 0:
+            raise ValueError(f"`AsyncCheckpoint.every_minutes` must be > 0, got {every_minutes}.")
+        if keep_last < 1:
+            raise ValueError(f"`AsyncCheckpoint.keep_last` must be >= 1, got {keep_last}.")
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.every_n_steps = every_n_steps or None
+        self.every_minutes = every_minutes
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.save_on_signal = save_on_signal
+        self.save_at_end = save_at_end
+        self._queue = None
+        self._pending: list[tuple[int, Path]] = []
+        self._last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._signal_received: int | None = None
+        self._old_handlers: dict = {}
+        self._restored_rng: dict | None = None
+        self._training = False
+        self.stall_seconds = 0.0  # time the step loop spent in this callback's saves (for benchmarks)
+
+    # ------------------------------------------------------------------ life cycle
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = default_dirpath(trainer)
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._training = True
+        if trainer.is_global_zero and not trainer.ckpt_path and ckpt.complete_checkpoints(self.dirpath):
+            log.warning(
+                "%s already holds checkpoints and this run does not resume from them; `latest` will point to "
+                "this run's checkpoints from its first save", self.dirpath,
+            )  # fmt: skip
+        if self._restored_rng is not None:
+            _set_rng_states(self._restored_rng)
+            self._restored_rng = None
+        if self.save_on_signal:
+            # Replaces Lightning's SIGTERM handler (which runs collectives inside the handler and kills
+            # the run): ours only records the signal; the decision to save is taken at the safe point.
+            for sig in PREEMPTION_SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._last_save_time = time.monotonic()
+        if trainer.ckpt_path:  # resumed: the state at this step is already saved
+            self._last_saved_step = trainer.global_step
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal_received = signum
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """The safe point: after the optimizer step, before the next rollout's weight push."""
+        t0 = time.perf_counter()
+        self._finalize(trainer, blocking=False)
+        step = trainer.global_step
+        signalled, time_due = self._agree(trainer)
+        due = (self.every_n_steps and step % self.every_n_steps == 0) or time_due or signalled
+        if due and step != self._last_saved_step:
+            self.save(trainer)
+        if signalled:
+            self._finalize(trainer, blocking=True)
+            name = signal.Signals(self._signal_received).name if self._signal_received else "a signal on another rank"
+            log.warning(
+                "preemption: received %s; saved step %d to %s; stopping training", name, step,
+                self.dirpath / ckpt.checkpoint_name(step),
+            )  # fmt: skip
+            trainer.should_stop = True
+        self.stall_seconds += time.perf_counter() - t0
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_at_end and trainer.global_step != self._last_saved_step:
+            self.save(trainer)
+        self._finalize(trainer, blocking=True)
+
+    @override
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._training = False
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not self._training:
+            return  # failed before training started: there is nothing new to save
+        latest = ckpt.complete_checkpoints(self.dirpath) if self.dirpath else []
+        newest = latest[0] if latest else None
+        if getattr(pl_module, "partial_update", False):
+            log.error(
+                "not saving after %s: it interrupted an update midway (some optimizer steps of step %d were "
+                "taken), so the state is inconsistent. The newest complete checkpoint is %s.",
+                type(exception).__name__, trainer.global_step, newest,
+            )  # fmt: skip
+            return
+        if trainer.world_size > 1 and not getattr(exception, "raised_on_every_rank", False):
+            log.error(
+                "not saving after %s: other ranks may not be able to take part in a save. The newest complete "
+                "checkpoint is %s.", type(exception).__name__, newest,
+            )  # fmt: skip
+            return
+        try:
+            self._finalize(trainer, blocking=True)
+            if trainer.global_step != self._last_saved_step:
+                self.save(trainer, asynchronous=False)
+            log.error(
+                "after %s: the state after step %d is consistent and was saved to %s; the batch of the failed "
+                "step is skipped on resume.", type(exception).__name__, trainer.global_step,
+                self.dirpath / ckpt.checkpoint_name(trainer.global_step),
+            )  # fmt: skip
+        except Exception as err:  # never hide the original error
+            log.error("saving after %s failed too: %s", type(exception).__name__, err)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, trainer, asynchronous: bool | None = None) -> None:
+        """Collective: start a checkpoint of the current state (at most one in flight)."""
+        asynchronous = self.async_save if asynchronous is None else asynchronous
+        if self._pending:
+            self._finalize(trainer, blocking=True)
+        step = trainer.global_step
+        final = self.dirpath / ckpt.checkpoint_name(step)
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state["yatt_rng"] = _rng_states()
+        request = ckpt.begin(trainer.strategy, state, final, asynchronous=asynchronous)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        if request is None:
+            ckpt.finalize(trainer.strategy, final)
+            self._done(trainer, step, final)
+            return
+        if self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=False)
+        with megatron_cpu_context():
+            self._queue.schedule_async_request(request)
+        self._pending.append((step, final))
+
+    def _finalize(self, trainer, blocking: bool) -> None:
+        if not self._pending:
+            return
+        with megatron_cpu_context():
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        for _ in done:
+            step, final = self._pending.pop(0)
+            self._done(trainer, step, final)
+
+    def _done(self, trainer, step: int, final: Path) -> None:
+        if trainer.is_global_zero:
+            log.info("checkpoint saved: step %d at %s", step, final)
+            complete = ckpt.complete_checkpoints(self.dirpath)
+            protect = {getattr(trainer.strategy, "resumed_from", None), ckpt.tracked(self.dirpath)}
+            old = [p for p in complete[self.keep_last :] if p not in protect]
+            if old:
+                threading.Thread(target=lambda: [ckpt.remove(p) for p in old], daemon=True).start()
+
+    def _agree(self, trainer) -> tuple[bool, bool]:
+        """Every rank learns whether any rank got a preemption signal and whether the timer is due on rank 0."""
+        minutes = (time.monotonic() - self._last_save_time) / 60
+        local = torch.tensor(
+            [
+                1.0 if (self.save_on_signal and self._signal_received is not None) else 0.0,
+                1.0 if (trainer.is_global_zero and self.every_minutes and minutes >= self.every_minutes) else 0.0,
+            ]
+        )
+        if trainer.world_size > 1:
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+        return bool(local[0]), bool(local[1])
+
+    # ------------------------------------------------------------------ resume
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": str(self.dirpath)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # where this run writes is its own configuration, not the resumed run's
+
+    @override
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        # Applied at train start: the rollout engine reseeds the global RNG when it starts.
+        self._restored_rng = checkpoint.get("yatt_rng")
+
+
+def default_dirpath(trainer) -> Path:
+    logger = trainer.logger
+    save_dir, name = getattr(logger, "save_dir", None), getattr(logger, "name", None)
+    if save_dir and name:
+        return Path(save_dir) / name / "checkpoints"
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _rng_states() -> dict:
+    import numpy as np
+    from megatron.core.tensor_parallel import random as mrandom
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    if mrandom._CUDA_RNG_STATE_TRACKER is not None:
+        states["megatron"] = {k: v.clone() for k, v in mrandom._CUDA_RNG_STATE_TRACKER.get_states().items()}
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel import random as mrandom
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "megatron" in states and mrandom._CUDA_RNG_STATE_TRACKER is not None:
+        mrandom._CUDA_RNG_STATE_TRACKER.set_states(states["megatron"])

@@ -1,0 +1,204 @@
+"""Checkpoints: format checks (tier 1), then real runs killed, preempted and resumed (tier 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, run, run_script, yatt
+from yatt_lightning import checkpoint as ckpt
+
+# ----------------------------------------------------------------------------------------- tier 1
+
+
+def _fake_checkpoint(root: Path, step: int, payload: bytes = b"x" * 100) -> Path:
+    folder = root / ckpt.checkpoint_name(step)
+    (folder / "weights").mkdir(parents=True)
+    (folder / "weights" / "__0_0.distcp").write_bytes(payload)
+    (folder / "trainer_rank0.pt").write_bytes(b"state")
+    files = {rel: ckpt._describe(folder / rel) for rel in ("weights/__0_0.distcp", "trainer_rank0.pt")}
+    (folder / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "world_size": 1, "files": files}))
+    return folder
+
+
+def test_verify_detects_truncation_corruption_and_missing_files(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 3)
+    assert ckpt.verify(folder) == []
+    shard = folder / "weights" / "__0_0.distcp"
+    shard.write_bytes(b"x" * 50)
+    assert ckpt.verify(folder) == [f"{shard}: 50 bytes, the manifest says 100 (truncated or overwritten)"]
+    shard.write_bytes(b"y" * 100)
+    assert ckpt.verify(folder) == [f"{shard}: checksum mismatch (corrupted)"]
+    shard.unlink()
+    assert ckpt.verify(folder) == [f"{shard}: missing"]
+    (folder / ckpt.MANIFEST).unlink()
+    assert "missing (the save did not finish)" in ckpt.verify(folder)[0]
+
+
+def test_unfinished_saves_are_not_checkpoints(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    (tmp_path / "step-00000004.tmp" / "weights").mkdir(parents=True)  # a save killed midway
+    (tmp_path / "step-00000006").mkdir()  # renamed without a manifest cannot happen, but is not trusted
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000002"]
+
+
+def test_checksums_are_split_between_ranks(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 1)
+    (folder / "weights" / "__0_0.distcp").write_bytes(b"z" * 100)  # same size, other content
+    found = [bool(ckpt.verify(folder, rank, 2)) for rank in range(2)]
+    assert sorted(found) == [False, True], "exactly one of two ranks checksums each file"
+
+
+# ----------------------------------------------------------------------------------------- tier 3
+
+
+def _saver(dirpath: Path, every: int) -> str:
+    return json.dumps(
+        [
+            {
+                "class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+                "init_args": {"every_n_steps": every, "dirpath": str(dirpath)},
+            }
+        ]
+    )
+
+
+def _faults(out: Path, *args: str, expect_kill: bool = False, timeout: float = 500):
+    """Run tests/scripts/faults.py in its own process group (it may SIGKILL the group)."""
+    cmd = [sys.executable, str(SCRIPTS / "faults.py"), str(out), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
+    killed = proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+    assert killed == expect_kill, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _saved_steps(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"checkpoint saved: step (\d+)", log)]
+
+
+def _resumed_step(log: str) -> int:
+    return int(re.search(r"resuming from \S*step-(\d+)", log).group(1))
+
+
+def _records(out: Path, rank: int = 0) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / f"record_rank{rank}.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}  # a resumed run's rows replace the killed run's
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("devices", "fault"), [(1, "rollout"), (2, "sigterm")], ids=["dp1-sigkill", "dp2-sigterm"])
+def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, devices, fault):
+    """Interrupted at step 4 (SIGKILL of every process, or SIGTERM to rank 0: finish the step, save, stop),
+    then resumed with `--ckpt_path last`: the same weights bit for bit, the same rewards and losses, the
+    same prompts in the same order as a run that was never interrupted."""
+    common = ["--trainer.max_steps", "6", "--trainer.devices", str(devices), "--data.batch_size", str(16 // devices)]
+    whole = tmp_path / "whole"
+    _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 3))
+
+    cut = tmp_path / "cut"
+    killed = fault == "rollout"
+    log = _faults(
+        cut, "--kill", f"{fault}:4", *common, "--trainer.callbacks", _saver(cut / "ckpts", 3), expect_kill=killed
+    )
+    if not killed:
+        assert re.search(r"preemption: received SIGTERM; saved step 5 to \S+step-00000005; stopping training", log)
+    saved = _saved_steps(log)
+    log = _faults(cut, *common, "--trainer.callbacks", _saver(cut / "ckpts", 3), "--ckpt_path", "last")
+    assert _resumed_step(log) == max(saved)
+
+    a, b = _weights(whole), _weights(cut)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    for rank in range(devices):
+        assert _records(whole, rank) == _records(cut, rank)
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_path):
+    """SIGKILL during a rollout, between two optimizer steps, while the writers run, and between the
+    manifest and the rename. Each time `latest` names an intact checkpoint, it is the newest one that was
+    reported saved, the resumed run starts there, and the end result equals an uninterrupted run."""
+    common = ["--trainer.max_steps", "12", "--model.mini_batches", "2"]  # 2 optimizer steps per RL step
+    whole = tmp_path / "whole"
+    _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 2))
+
+    out = tmp_path / "chain"
+    saver = _saver(out / "ckpts", 2)
+    reported: list[int] = []
+    resume: list[str] = []
+    for fault in ("rollout:4", "train:6", "save:8", "finalize:10"):
+        log = _faults(out, "--kill", fault, *common, "--trainer.callbacks", saver, *resume, expect_kill=True)
+        if resume:
+            assert _resumed_step(log) == max(reported)
+        reported += _saved_steps(log)
+        latest = ckpt.tracked(out / "ckpts")
+        assert latest is not None and latest.name == ckpt.checkpoint_name(max(reported)), fault
+        assert ckpt.verify(latest) == []
+        resume = ["--ckpt_path", "last"]
+    log = _faults(out, *common, "--trainer.callbacks", saver, *resume)
+    assert _resumed_step(log) == max(reported)
+    a, b = _weights(whole), _weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # A truncated shard: reported with the file when named explicitly; `last` falls back and says so.
+    newest = ckpt.tracked(out / "ckpts")
+    shard = sorted((newest / "weights").glob("__0_*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = yatt(["export", "--ckpt_dir", str(newest), "--out", str(tmp_path / "x")], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and f"{shard}: 100 bytes, the manifest says" in proc.stderr
+    more = ["--trainer.max_steps", "14", "--model.mini_batches", "2", "--trainer.callbacks", saver]
+    proc = run(
+        [sys.executable, str(SCRIPTS / "faults.py"), str(out), *more, "--ckpt_path", str(newest)],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert f"checkpoint {newest} is incomplete or corrupted: {shard}: 100 bytes" in proc.stderr
+    log = _faults(out, *more, "--ckpt_path", "last")
+    assert f"checkpoint {newest} is not usable ({shard}: 100 bytes" in log
+    assert _resumed_step(log) < int(newest.name.split("-")[1])
+
+
+@pytest.mark.slow
+def test_exception_saves_consistent_state_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    proc = run(
+        [sys.executable, str(SCRIPTS / "faults.py"), str(out), "--kill", "raise:3", "--trainer.max_steps", "6",
+         "--trainer.callbacks", _saver(out / "ckpts", 10)],
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "injected failure in the rollout of step 3" in proc.stderr
+    assert "after ValueError: the state after step 3 is consistent and was saved to" in proc.stderr
+    assert ckpt.tracked(out / "ckpts").name == "step-00000003"
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_and_vllm_with_the_policy_logits(tmp_path):
+    out = tmp_path / "run"
+    _faults(out, "--trainer.max_steps", "3", "--trainer.callbacks", _saver(out / "ckpts", 3))
+    yatt(["export", "--ckpt_dir", str(out / "ckpts"), "--out", str(tmp_path / "hf")], cwd=tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.load(out / "logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(probe["ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], atol=2e-5, rtol=1e-5)
+    assert run_script("vllm_generate.py", str(tmp_path / "hf"), timeout=300)["tokens"] > 0
