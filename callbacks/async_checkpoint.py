@@ -94,6 +94,12 @@ class AsyncCheckpoint(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._training = True
+        if self.async_save:
+            # Megatron's writers report through a multiprocessing manager that is started (spawned) on the
+            # first save; start it now, outside the step loop.
+            from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+            _get_write_results_queue()
         if trainer.is_global_zero and not trainer.ckpt_path and ckpt.complete_checkpoints(self.dirpath):
             log.warning(
                 "%s already holds checkpoints and this run does not resume from them; `latest` will point to "

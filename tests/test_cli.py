@@ -68,8 +68,9 @@ def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
     yatt(
-        ["fit", "--config", TINY, "--trainer.max_steps", "4", "--trainer.callbacks+=ModelCheckpoint",
-         "--trainer.callbacks.every_n_train_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+        ["fit", "--config", TINY, "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "true",
+         "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "2",
+         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
         cwd=tmp_path, timeout=600,
     )  # fmt: skip
     log_dir = tmp_path / "runs" / "grpo_tiny"
@@ -84,9 +85,15 @@ def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
     texts = read_texts(log_dir)["rollout/samples/text_summary"]
     assert texts and "| after " in texts[0]
 
+    # Lightning's ModelCheckpoint (synchronous, through the strategy) and AsyncCheckpoint (at the end)
+    # write the same self-contained, verified format.
+    from yatt_lightning import checkpoint as yckpt
+
     ckpts = sorted(log_dir.rglob("*.ckpt"))
     assert ckpts, "no checkpoint written"
-    ckpt = ckpts[-1]
+    assert yckpt.verify(ckpts[-1]) == []
+    assert yckpt.tracked(log_dir / "checkpoints").name == "step-00000004"
+    ckpt = yckpt.tracked(log_dir / "checkpoints")
     assert (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "hf" / "config.json").is_file()
     assert not list(log_dir.rglob("*.tmp")), "a temporary checkpoint folder was left behind"
     state = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)

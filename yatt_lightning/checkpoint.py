@@ -74,15 +74,21 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
             if (model_path / name).is_file():
                 shutil.copy2(model_path / name, tmp / "hf" / name)
     strategy.barrier("checkpoint-begin")
-    _write_durable(trainer_state_file(tmp, strategy.global_rank), _torch_bytes(trainer_state))
+    state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
     policy = strategy.lightning_module.policy
     with megatron_cpu_context():
         request = dist_checkpointing.save(
             _sharded_state(policy, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
         )
+    rank = strategy.global_rank
     if asynchronous:
+        # Checksums are computed by the background writer, right after it wrote this rank's shards,
+        # so the step loop never reads the shards back.
+        write = request.async_fn
+        request = request._replace(async_fn=partial(_write_and_describe, write, tmp, rank, state_bytes))
         request.add_finalize_fn(partial(finalize, strategy, final))
         return request
+    _write_and_describe(None, tmp, rank, state_bytes)
     return None
 
 
@@ -91,10 +97,12 @@ def finalize(strategy, final: Path) -> None:
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
     rank, world = strategy.global_rank, strategy.world_size
-    mine = [trainer_state_file(tmp, rank)] + sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))
-    if rank == 0:
-        mine += [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
-    entries = {str(p.relative_to(tmp)): _describe(p) for p in mine}
+    partial_manifest = tmp / f"manifest_rank{rank}.json"
+    entries = json.loads(partial_manifest.read_text())
+    partial_manifest.unlink()
+    if rank == 0:  # files written once, by rank 0, in Megatron's finalisation or before the save
+        shared = [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
+        entries.update({str(p.relative_to(tmp)): _describe(p) for p in shared})
     gathered = [None] * world
     if world > 1:
         torch.distributed.all_gather_object(gathered, entries)
@@ -112,11 +120,24 @@ def finalize(strategy, final: Path) -> None:
     strategy.barrier("checkpoint-finalized")
 
 
+def _write_and_describe(write, tmp: Path, rank: int, state_bytes: bytes, *args, **kwargs) -> None:
+    """Write this rank's trainer state, run Megatron's writer (if this rank has shards to write), then
+    record this rank's files with sizes and checksums in ``manifest_rank<r>.json``. Runs in the
+    background process when the save is asynchronous."""
+    _write_durable(trainer_state_file(tmp, rank), state_bytes)
+    if write is not None:
+        write(*args, **kwargs)
+    files = [trainer_state_file(tmp, rank), *sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))]
+    entries = {str(p.relative_to(tmp)): _describe(p) for p in files}
+    _write_durable(tmp / f"manifest_rank{rank}.json", json.dumps(entries).encode())
+
+
 def _shared_file(path: Path, root: Path) -> bool:
     """Files written once (by rank 0) rather than per rank."""
     rel = path.relative_to(root)
     name = rel.name
-    return not (name.startswith("trainer_rank") or (rel.parts[0] == WEIGHTS and name.startswith("__")))
+    per_rank = name.startswith(("trainer_rank", "manifest_rank")) or (rel.parts[0] == WEIGHTS and name.startswith("__"))
+    return not per_rank
 
 
 # ---------------------------------------------------------------------------------------------- verify and resolve

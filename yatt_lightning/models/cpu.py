@@ -13,6 +13,10 @@ and a CUDA RNG tracker. This module answers each with the CPU equivalent:
   step, export, checkpointing), because a global mode slows vLLM generation ~2x.
 * :class:`CpuRNGStatesTracker` -- Megatron's RNG tracker over the CPU generator, installed by
   :func:`model_parallel_manual_seed`.
+* Checkpoint writing (:func:`_defer_checkpoint_clones`): Megatron's asynchronous writer clones every CPU
+  tensor that is a view (the gate/up halves of the MLP and their optimizer state) in the training loop,
+  before it forks the writer process. On CPU the fork already snapshots memory, so the clone moves to
+  the writer, just before each tensor is serialised; the files are identical.
 
 On a machine with CUDA every entry point here is a no-op and Megatron runs unpatched.
 The patches target exactly :data:`MEGATRON_CORE_VERSION`; :func:`check_version` refuses others.
@@ -21,6 +25,7 @@ The patches target exactly :data:`MEGATRON_CORE_VERSION`; :func:`check_version` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -69,20 +74,37 @@ def _is_cuda_device(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_TO_LIKE = frozenset({torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros})
+
+
 class _CudaToCpuMode(TorchFunctionMode):
+    # Called for every torch operation inside the context: keep the common path (no device argument,
+    # nothing special) to two cheap checks.
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return _CUDA_TYPE_NAMES.get(name, name)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = _CPU
-        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and len(args) > 1:
-            if _is_cuda_device(args[1]):
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda_device(device):
+                kwargs["device"] = _CPU
+        else:
+            kwargs = {}
+        if func in _SPECIAL:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.clone:
+                if getattr(_clones_deferred, "on", False):
+                    return args[0]  # the checkpoint writer clones it (see _defer_checkpoint_clones)
+                return func(*args, **kwargs)
+            if func is torch.Tensor.type:
+                if len(args) == 1 and not kwargs:
+                    name = func(*args)
+                    return _CUDA_TYPE_NAMES.get(name, name)
+            elif len(args) > 1 and _is_cuda_device(args[1]):
                 args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.clone}) | _TO_LIKE
+_clones_deferred = threading.local()
 
 
 class _FakeStream:
@@ -170,8 +192,43 @@ def _enter() -> None:
             setattr(torch.cuda, name, standin)
         _saved["random.get_rng_state"] = torch.cuda.random.get_rng_state
         torch.cuda.random.get_rng_state = _CUDA_STANDINS["get_rng_state"]
+        _defer_checkpoint_clones()
         _mode = _CudaToCpuMode()
         _mode.__enter__()
+
+
+_checkpoint_patch_installed = False
+
+
+def _defer_checkpoint_clones() -> None:
+    """Install (once) the two halves of the deferred clone: skip it while Megatron prepares the write
+    buckets, and clone views right before ``torch.save`` in the writer (``_write_item``)."""
+    global _checkpoint_patch_installed
+    if _checkpoint_patch_installed:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    prepare = fa.FileSystemWriterAsync.prepare_write_data
+    write_item = fa._write_item
+
+    def prepare_without_clones(self, plan, planner):
+        _clones_deferred.on = True
+        try:
+            return prepare(self, plan, planner)
+        finally:
+            _clones_deferred.on = False
+
+    @functools.wraps(write_item)  # Megatron inspects the signature
+    def write_item_cloning_views(*args, **kwargs):
+        args = tuple(
+            a.clone() if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() != a.numel() * a.itemsize else a
+            for a in args
+        )
+        return write_item(*args, **kwargs)
+
+    fa.FileSystemWriterAsync.prepare_write_data = prepare_without_clones
+    fa._write_item = write_item_cloning_views
+    _checkpoint_patch_installed = True
 
 
 def _exit() -> None:

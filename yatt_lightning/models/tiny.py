@@ -36,6 +36,18 @@ TINY_QWEN2_SHAPE = {
     "tie_word_embeddings": False,
     "vocab_size": 320,
 }
+# A larger sibling (about 18M parameters) for benchmarks where the model's size matters (checkpoint I/O).
+SMALL_QWEN2 = "builtin:small-qwen2"
+SMALL_QWEN2_SHAPE = {
+    **TINY_QWEN2_SHAPE,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+BUILTIN_SHAPES = {TINY_QWEN2: TINY_QWEN2_SHAPE, SMALL_QWEN2: SMALL_QWEN2_SHAPE}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
 
@@ -51,9 +63,9 @@ def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
         ValueError: if ``path`` names an unknown built-in model, or is not a folder with ``config.json``.
     """
     if path.startswith(BUILTIN_PREFIX):
-        if path != TINY_QWEN2:
-            raise ValueError(f"`{key}`: unknown built-in model {path!r}; the built-in model is {TINY_QWEN2!r}.")
-        return build_tiny_qwen2()
+        if path not in BUILTIN_SHAPES:
+            raise ValueError(f"`{key}`: unknown built-in model {path!r}; built-in models: {', '.join(BUILTIN_SHAPES)}.")
+        return build_tiny_qwen2(shape=BUILTIN_SHAPES[path])
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(
@@ -65,14 +77,16 @@ def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
     return folder
 
 
-def build_tiny_qwen2(seed: int = 1234) -> Path:
-    """Build (once) and return the folder of the tiny Qwen2 model; safe under concurrent ranks."""
+def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
+    """Build (once) and return the folder of a random-initialised Qwen2-style model of ``shape`` (default:
+    the tiny one) with the locally trained tokenizer; safe under concurrent ranks."""
+    shape = TINY_QWEN2_SHAPE if shape is None else shape
     from filelock import FileLock
 
     from yatt_lightning.datamodules.tasks import AlphabetTask
 
-    key = hashlib.sha256(json.dumps([TINY_QWEN2_SHAPE, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
-    out = cache_dir() / f"tiny-qwen2-{key.hexdigest()[:12]}"
+    key = hashlib.sha256(json.dumps([shape, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
+    out = cache_dir() / f"{'tiny-' if shape == TINY_QWEN2_SHAPE else ''}qwen2-{key.hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +95,7 @@ def build_tiny_qwen2(seed: int = 1234) -> Path:
             return out
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
-            _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus())
+            _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus(), shape)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -120,11 +134,11 @@ def train_tokenizer(corpus, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
-def _write_tiny_qwen2(folder: Path, seed: int, corpus) -> None:
+def _write_tiny_qwen2(folder: Path, seed: int, corpus, shape: dict) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(TINY_QWEN2_SHAPE)
+    shape = dict(shape)
     tokenizer = train_tokenizer(corpus, shape["vocab_size"])
     rope_theta = shape.pop("rope_theta")
     config = Qwen2Config(
