@@ -173,6 +173,17 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(complete, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name), reverse=True)
 
 
+def resume_target(directory: Path) -> Path | None:
+    """What ``--ckpt_path last`` loads from ``directory``: its ``latest`` tracker (the strategy then picks
+    the newest intact checkpoint from there), or ``None`` when no checkpoint was completed yet."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    if (directory / TRACKER).is_file() or complete_checkpoints(directory):
+        return directory / TRACKER
+    return None
+
+
 def tracked(directory: Path) -> Path | None:
     """The checkpoint the ``latest`` tracker names, if any."""
     tracker = Path(directory) / TRACKER

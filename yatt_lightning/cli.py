@@ -76,12 +76,12 @@ class YattCLI(LightningCLI):
         saver = savers[0]
         if saver.dirpath is None:
             saver.setup(self.trainer, self.model, "fit")
-        tracker = saver.dirpath / "latest"
-        if tracker.is_file() or any(saver.dirpath.glob("step-*/manifest.json")):
-            config["ckpt_path"] = str(tracker)
-        else:
+        from yatt_lightning.checkpoint import resume_target
+
+        target = resume_target(saver.dirpath)
+        if target is None:
             print(f"--ckpt_path last: no checkpoint in {saver.dirpath} yet; starting from step 0", flush=True)
-            config["ckpt_path"] = None
+        config["ckpt_path"] = None if target is None else str(target)
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()

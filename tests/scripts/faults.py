@@ -129,7 +129,8 @@ def main() -> None:
     cli.trainer.callbacks.append(Recorder(out))
     if ckpt_path == "last":  # what `yatt fit --ckpt_path last` does
         saver = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AsyncCheckpoint")
-        ckpt_path = str(saver.dirpath / ckpt.TRACKER)
+        target = ckpt.resume_target(saver.dirpath)
+        ckpt_path = None if target is None else str(target)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
 
 
