@@ -23,7 +23,6 @@ from pathlib import Path
 
 from _common import build_cli
 from lightning.pytorch import Callback
-
 from yatt_lightning.callbacks import AsyncCheckpoint
 
 WARMUP = 2
@@ -86,9 +85,15 @@ def main() -> None:
         newest = max(Path(tmp).glob("step-*"), key=lambda p: p.name)
         size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     a, s = statistics.mean(alt.async_blocked), statistics.mean(alt.sync_times)
-    print(f"checkpoint size: {size / 2**20:.0f} MiB; saves measured: {len(alt.async_blocked)} async, {len(alt.sync_times)} sync")
-    print(f"async: loop blocked {a * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.async_blocked)})")
-    print(f"sync:  loop blocked {s * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.sync_times)})")
+    print(
+        f"checkpoint size: {size / 2**20:.0f} MiB; saves measured: {len(alt.async_blocked)} async, {len(alt.sync_times)} sync"
+    )
+    print(
+        f"async: loop blocked {a * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.async_blocked)})"
+    )
+    print(
+        f"sync:  loop blocked {s * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.sync_times)})"
+    )
     print(f"stall_ratio={a / s:.3f}", flush=True)
 
 

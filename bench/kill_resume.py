@@ -99,7 +99,10 @@ def main() -> None:
                 trained = not failed and (killed or "`Trainer.fit` stopped" in log)
                 resumed += trained and (m is not None or not reported)
                 end = f"killed {delay:.2f}s into training" if killed else "finished"
-                print(f"run {i:2d}: resumed from step {got} (newest reported saved: {max(reported, default=None)}); {end}", flush=True)
+                print(
+                    f"run {i:2d}: resumed from step {got} (newest reported saved: {max(reported, default=None)}); {end}",
+                    flush=True,
+                )
             reported += [int(s) for s in re.findall(r"checkpoint saved: step (\d+)", log)]
             if not killed and not last_run:
                 sys.exit(f"run {i} ended before it was killed:\n{log[-3000:]}")

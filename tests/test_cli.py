@@ -10,10 +10,10 @@ import torch
 from tests.helpers import REPO, read_scalars, read_texts, yatt
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
 def test_every_shipped_config_parses_through_the_cli(config, tmp_path):
     proc = yatt(["fit", "--config", str(config), "--print_config"], cwd=tmp_path, timeout=120)
     assert "class_path: yatt_lightning.module.RLHFModule" in proc.stdout or "RLHFModule" in proc.stdout

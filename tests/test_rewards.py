@@ -1,10 +1,8 @@
 """Tier 1: rule rewards and user reward functions loaded by import path."""
 
-import math
-
 import pytest
 
-from yatt_lightning.rewards.base import FunctionReward, RewardError, load_callable
+from yatt_lightning.rewards.base import RewardError, RuleReward, load_callable
 from yatt_lightning.rewards.rules import alphabet_reward
 
 
@@ -25,15 +23,15 @@ def test_function_reward_passes_row_fields(tmp_path, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = FunctionReward("my_rewards.exact")
+    fn = RuleReward("my_rewards.exact")
     rows = [{"prompt": "q", "answer": "42", "_source": "data.jsonl:1"}, {"prompt": "q", "answer": "7"}]
-    assert fn(["q", "q"], ["42", "8"], rows) == [1.0, 0.0]
+    assert fn(["q", "q"], ["42", "8"], rows).scores == [1.0, 0.0]
 
 
 def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
     (tmp_path / "bad_rewards.py").write_text("def boom(prompt, completion, **row):\n    raise KeyError('answer')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = FunctionReward("bad_rewards.boom")
+    fn = RuleReward("bad_rewards.boom")
     with pytest.raises(RewardError, match=r"bad_rewards.boom raised KeyError.*data.jsonl:3.*'what is 2\+2'.*'four'"):
         fn(["what is 2+2"], ["four"], [{"prompt": "what is 2+2", "_source": "data.jsonl:3"}])
 
@@ -42,8 +40,11 @@ def test_reward_returning_nan_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "nan_rewards.py").write_text("def nan(prompt, completion, **row):\n    return float('nan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RewardError, match="returned nan"):
-        FunctionReward("nan_rewards.nan")(["p"], ["c"], [{"prompt": "p"}])
-    assert math.isnan(float("nan"))
+        RuleReward("nan_rewards.nan")(["p"], ["c"], [{"prompt": "p"}])
+
+    (tmp_path / "zero_rewards.py").write_text("def bad(prompt, completion, **row):\n    return 1 / 0\n")
+    out = RuleReward("zero_rewards.bad", on_error="zero")(["p", "q"], ["c", "d"], [{}, {}])
+    assert out.scores == [0.0, 0.0] and out.metrics == {"reward/zero_rewards.bad/errors": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -58,3 +59,13 @@ def test_load_callable_errors_name_the_key(path, match):
     with pytest.raises(ValueError, match=match) as err:
         load_callable(path)
     assert "model.reward_fn" in str(err.value)
+
+
+def test_math_answer_reward():
+    from yatt_lightning.rewards.rules import math_answer_reward
+
+    assert math_answer_reward("q", "so the total is \\boxed{1,000}.", answer="1000") == 1.0
+    assert math_answer_reward("q", "3 + 4 = 7. The answer is 7", answer="7") == 1.0
+    assert math_answer_reward("q", "I think 8, no wait, 9", answer="8") == 0.0
+    assert math_answer_reward("q", "no idea", answer="8") == 0.0
+    assert math_answer_reward("q", "\\boxed{x+1}", answer="x+1") == 1.0

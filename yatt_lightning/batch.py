@@ -37,6 +37,55 @@ class RolloutBatch:
     def num_groups(self) -> int:
         return int(torch.unique(self.group_ids).numel())
 
+    def select_groups(self, groups: list[int]) -> RolloutBatch:
+        """The samples of ``groups`` (in that order), renumbered 0..len(groups)-1."""
+        index = {g: i for i, g in enumerate(groups)}
+        keep = [i for i, g in enumerate(self.group_ids.tolist()) if g in index]
+        keep.sort(key=lambda i: (index[int(self.group_ids[i])], i))
+
+        def pick(values):
+            return None if values is None else [values[i] for i in keep]
+
+        def pick_tensor(values):
+            return None if values is None else values[keep]
+
+        return RolloutBatch(
+            prompts=pick(self.prompts),
+            prompt_ids=pick(self.prompt_ids),
+            completion_ids=pick(self.completion_ids),
+            completions=pick(self.completions),
+            rows=pick(self.rows),
+            group_ids=torch.tensor([index[int(self.group_ids[i])] for i in keep], dtype=torch.long),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            finish_reasons=pick(self.finish_reasons),
+            rewards=pick_tensor(self.rewards),
+            advantages=pick_tensor(self.advantages),
+        )
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """One batch holding the groups of ``batches`` (group ids made distinct)."""
+        offset, group_ids = 0, []
+        for b in batches:
+            group_ids.append(b.group_ids + offset)
+            offset += int(b.group_ids.max()) + 1 if len(b) else 0
+
+        def cat(key):
+            return [v for b in batches for v in getattr(b, key)]
+
+        rewards = [b.rewards for b in batches]
+        return RolloutBatch(
+            prompts=cat("prompts"),
+            prompt_ids=cat("prompt_ids"),
+            completion_ids=cat("completion_ids"),
+            completions=cat("completions"),
+            rows=cat("rows"),
+            group_ids=torch.cat(group_ids) if group_ids else torch.zeros(0, dtype=torch.long),
+            rollout_logprobs=cat("rollout_logprobs"),
+            finish_reasons=cat("finish_reasons"),
+            rewards=torch.cat(rewards) if rewards and all(r is not None for r in rewards) else None,
+        )
+
     def response_lengths(self) -> torch.Tensor:
         return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float)
 

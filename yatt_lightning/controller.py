@@ -40,8 +40,11 @@ class Controller:
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         """Raise a ValueError naming the key if this controller cannot serve the layout."""
 
-    def generate(self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int]):
-        """Completions (``sampling.n`` per prompt) for this rank's prompts."""
+    def generate(
+        self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int], keep: int
+    ):
+        """Completions (``sampling.n`` per prompt) for this rank's prompts; with ``keep`` < len(prompts) only
+        the first groups to finish (the others ``None``)."""
         raise NotImplementedError
 
     def score(self, rollouts, score_fn: ScoreFn) -> torch.Tensor:
@@ -63,9 +66,12 @@ class Controller:
 class ParallelController(Controller):
     """Every DP rank generates and scores its own prompts; the head of each MP group scores."""
 
-    def generate(self, prompts, rows, sampling, seeds):
+    def generate(self, prompts, rows, sampling, seeds, keep):
+        groups: list = [None] * len(prompts)
         with self.strategy.rollout_context() as engine:
-            return engine.generate(prompts, sampling, seeds)
+            for index, group in self.strategy.lightning_module.generate_groups(engine, prompts, sampling, seeds, keep):
+                groups[index] = group
+        return groups
 
     def score(self, rollouts, score_fn):
         from megatron.core import parallel_state as ps
@@ -100,7 +106,9 @@ class SingleController(Controller):
                 "tensor_model_parallel_size and pipeline_model_parallel_size to 1, or use ParallelController."
             )
 
-    def generate(self, prompts, rows, sampling, seeds):
+    def generate(self, prompts, rows, sampling, seeds, keep):
+        if keep < len(prompts):
+            raise ValueError("`model.long_tail`: over-provisioning is not supported with the SingleController.")
         gathered = self._gather((prompts, rows, seeds))
         if gathered is not None:
             all_prompts = [p for ps_, _, _ in gathered for p in ps_]

@@ -8,7 +8,6 @@ group-normalised advantages, PPO-clip with token-level aggregation, optional k3 
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections import defaultdict
@@ -20,12 +19,14 @@ from typing_extensions import override
 
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
 from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.longtail import LongTailPolicy, PartialRollout, WaitForAll
 from yatt_lightning.models.logprobs import token_entropy, token_logprobs
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.optim import OptimizerSettings
 from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
-from yatt_lightning.rewards.base import FunctionReward
+from yatt_lightning.rewards.base import RewardFunction, RewardOutput, RuleReward
 from yatt_lightning.rollout.base import SamplingConfig
+from yatt_lightning.sampling import DynamicSampling
 from yatt_lightning.seeding import resolve_seed
 
 
@@ -43,7 +44,9 @@ class RLHFModule(pl.LightningModule):
     Args:
         policy: The model to train (a Hugging Face folder, loaded into Megatron-Core).
         reward_fn: Dotted import path of ``f(prompt: str, completion: str, **row) -> float``; the row's
-            other fields (e.g. ``answer``) arrive as keyword arguments.
+            other fields (e.g. ``answer``) arrive as keyword arguments. Ignored when ``rewards`` is set.
+        rewards: Reward functions whose weighted scores are summed (rule functions, reward models,
+            generative reward models); ``None`` uses ``reward_fn`` alone.
         sampling: How completions are sampled (``n`` is the GRPO group size).
         algorithm: The policy loss (``class_path`` selects it; default PPO-clip).
         advantage_estimator: Turns rewards into advantages (default GRPO group normalisation).
@@ -56,6 +59,10 @@ class RLHFModule(pl.LightningModule):
         max_prompt_tokens: Longest prompt accepted, in tokens; a longer one is an error naming its row.
         apply_chat_template: Wrap each prompt in the tokenizer's chat template when it has one.
         log_samples: Completions written to TensorBoard as text every ``log_every_n_steps``.
+        dynamic_sampling: Drop groups whose rewards are all equal and generate more rounds until enough
+            groups remain (DAPO); ``None`` trains on every group.
+        long_tail: How long responses are handled: wait for all (default), over-provision, or partial
+            rollout (see :mod:`yatt_lightning.longtail`, including the bias each introduces).
         seed: Seed of sampling and of mini-batch shuffling; ``None`` follows ``seed_everything``.
     """
 
@@ -63,6 +70,7 @@ class RLHFModule(pl.LightningModule):
         self,
         policy: ModelSpec = ModelSpec(),
         reward_fn: str = "yatt_lightning.rewards.rules.alphabet_reward",
+        rewards: list[RewardFunction] | None = None,
         sampling: SamplingConfig = SamplingConfig(),
         algorithm: PolicyLoss = lazy_instance(PPOClipLoss),
         advantage_estimator: AdvantageEstimator = lazy_instance(GRPOAdvantage),
@@ -75,6 +83,8 @@ class RLHFModule(pl.LightningModule):
         max_prompt_tokens: int = 128,
         apply_chat_template: bool = True,
         log_samples: int = 4,
+        dynamic_sampling: DynamicSampling | None = None,
+        long_tail: LongTailPolicy = lazy_instance(WaitForAll),
         seed: int | None = None,
     ) -> None:
         super().__init__()
@@ -91,7 +101,12 @@ class RLHFModule(pl.LightningModule):
             raise ValueError(f"`model.kl_coef` must be >= 0, got {kl_coef}.")
         self.automatic_optimization = False
         self.policy_spec = policy
-        self.reward_functions = [FunctionReward(reward_fn)]
+        self.reward_functions = list(rewards) if rewards else [RuleReward(reward_fn)]
+        names = [fn.name for fn in self.reward_functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`model.rewards`: two reward functions share a name ({names}); rename one.")
+        self.dynamic_sampling = dynamic_sampling
+        self.long_tail = long_tail
         self.sampling = sampling
         self.algorithm = algorithm
         self.advantage_estimator = advantage_estimator
@@ -112,6 +127,7 @@ class RLHFModule(pl.LightningModule):
         self.balancer = None  # set by callbacks.DPLoadBalancer
         self.partial_update = False  # True between the first and last optimizer step of an RL step
         self.phase_times: dict[str, float] = {}
+        self.reward_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ building
     @override
@@ -136,6 +152,19 @@ class RLHFModule(pl.LightningModule):
     def configure_optimizers(self):
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Rollouts waiting across steps (dynamic sampling's buffer, partial rollouts) resume with the run.
+        for key, part in (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail)):
+            if hasattr(part, "state_dict"):
+                checkpoint[f"yatt_{key}"] = part.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        for key, part in (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail)):
+            if hasattr(part, "load_state_dict") and f"yatt_{key}" in checkpoint:
+                part.load_state_dict(checkpoint[f"yatt_{key}"])
+
     def rollout_engine_spec(self) -> dict:
         """What the strategy needs to start the engine for this module."""
         return {
@@ -155,20 +184,27 @@ class RLHFModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ the RL step
     @override
-    def training_step(self, batch: list[dict], batch_idx: int) -> dict:
+    def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
         t0 = time.perf_counter()
         rollouts = self.rollout(batch)
         t1 = time.perf_counter()
+        if len(rollouts) == 0:  # partial rollout: no group finished on some rank this step
+            return None
         error = None
         try:
             rollouts.rewards = self.reward(rollouts)
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
             error = err
-        strategy.raise_if_any_rank_failed(error)
+        strategy.finish_scoring(error)
         t2 = time.perf_counter()
-        rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
-        stats = self.update(rollouts)
+        generated = rollouts
+        if self.dynamic_sampling is not None:
+            rollouts = self.dynamic_sampling.step(rollouts, strategy.all_reduce_min_max)
+        stats = None
+        if rollouts is not None:
+            rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
+            stats = self.update(rollouts)
         t3 = time.perf_counter()
         sync = strategy.phase_times.get("sync", 0.0)
         self.phase_times = {
@@ -178,16 +214,21 @@ class RLHFModule(pl.LightningModule):
             "train": t3 - t2,
             "step": t3 - t0,
         }
-        self.last_rollouts = rollouts
-        self._log_step(rollouts, stats)
-        return {"reward_mean": float(rollouts.rewards.mean())}
+        self.last_rollouts = generated
+        self._log_step(generated, stats)
+        return {"reward_mean": float(generated.rewards.mean())}
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
-        """Sample ``sampling.n`` completions for each prompt of this rank's batch."""
+        """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
+        policy keeps)."""
+        if isinstance(self.long_tail, PartialRollout):
+            return self.long_tail.rollout(self, batch)
         prompt_ids = [self.tokenize_prompt(row) for row in batch]
-        groups = self.trainer.strategy.generate(prompt_ids, batch, self.sampling, self.sample_seeds(batch))
-        n = self.sampling.n
-        samples = [(g, c) for g, group in enumerate(groups) for c in group]
+        keep = self.long_tail.keep_count(len(batch))
+        groups, precomputed = self.trainer.strategy.generate(
+            prompt_ids, batch, self.sampling, self.sample_seeds(batch), keep=keep
+        )
+        samples = [(g, c) for g, group in enumerate(groups) if group is not None for c in group]
         completion_ids = [c.token_ids for _, c in samples]
         return RolloutBatch(
             prompts=[batch[g]["prompt"] for g, _ in samples],
@@ -195,21 +236,44 @@ class RLHFModule(pl.LightningModule):
             completion_ids=completion_ids,
             completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             rows=[batch[g] for g, _ in samples],
-            group_ids=torch.arange(len(groups)).repeat_interleave(n),
+            group_ids=torch.tensor([g for g, _ in samples], dtype=torch.long),
             rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for _, c in samples],
             finish_reasons=[c.finish_reason for _, c in samples],
+            extras={"precomputed": precomputed},
         )
 
     def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
-        """One scalar reward per sample, computed where the rollouts live (see the controller)."""
-        return self.trainer.strategy.controller.score(rollouts, self.score_samples)
+        """One scalar reward per sample, computed where the rollouts live (see the controller and placement)."""
+        precomputed = rollouts.extras.get("precomputed") or {}
 
-    def score_samples(self, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
-        """The sum of the reward functions over samples."""
+        def score(prompts, completions, rows):
+            return self.score_samples(prompts, completions, rows, precomputed)
+
+        return self.trainer.strategy.score(rollouts, score)
+
+    def score_samples(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[dict],
+        precomputed: dict[str, RewardOutput] | None = None,
+    ) -> torch.Tensor:
+        """The weighted sum of the reward functions over samples (scores a placement already computed are reused)."""
         total = torch.zeros(len(completions))
         for fn in self.reward_functions:
-            total += torch.tensor(fn(prompts, completions, rows), dtype=torch.float)
+            out = (precomputed or {}).get(fn.name) or fn(prompts, completions, rows)
+            scores = torch.tensor(out.scores, dtype=torch.float)
+            total += fn.weight * scores
+            self.reward_metrics[f"reward/{fn.name}/sum"] = self.reward_metrics.get(
+                f"reward/{fn.name}/sum", 0.0
+            ) + float(scores.sum())
+            for key, value in out.metrics.items():
+                self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
         return total
+
+    def generate_groups(self, engine, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int], keep: int):
+        """Yield ``(prompt index, completions)`` as groups finish, ``keep`` at most (the long-tail policy)."""
+        yield from self.long_tail.stream(engine, prompts, sampling, seeds, keep)
 
     def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
         """One advantage per sample."""
@@ -217,6 +281,7 @@ class RLHFModule(pl.LightningModule):
 
     def update(self, rollouts: RolloutBatch) -> dict[str, float]:
         """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
+        self.trainer.strategy.prepare_training()
         if self.balancer is not None:
             rollouts = self.balancer.rebalance(self, rollouts)
         everything = list(range(len(rollouts)))
@@ -364,57 +429,7 @@ class RLHFModule(pl.LightningModule):
         tokens = max(t[0].item(), 1.0)
         return {k: t[i].item() / tokens for i, k in enumerate(keys) if i > 0}
 
-    def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float]) -> None:
-        rewards = rollouts.rewards
-        lengths = rollouts.response_lengths()
-        # The ranks of a model-parallel group hold the same rollouts: count them once, at the group's head.
-        w = 1.0 if self.trainer.strategy.is_model_parallel_head else 0.0
-        local = torch.tensor(
-            [w * rewards.sum(), w * (rewards**2).sum(), w * len(rewards), w * lengths.sum(), lengths.max(),
-             w * lengths.sum(), stats["logprob_diff_max"]], dtype=torch.float64,
-        )  # fmt: skip
-        controller = self.trainer.strategy.controller
-        maxes = controller.all_reduce(local[[4, 6]].clone(), op=torch.distributed.ReduceOp.MAX)
-        controller.all_reduce(local)
-        local[[4, 6]] = maxes
-        r_sum, r_sq, count, len_sum, len_max, tokens, lp_diff = local.tolist()
-        mean = r_sum / count
-        times = self.phase_times
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(r_sq / count - mean**2, 0.0)),
-            "actor/pg_loss": stats["pg_loss"],
-            "actor/kl": stats["kl"],
-            "actor/clip_fraction": stats["clip_fraction"],
-            "actor/entropy": stats["entropy"],
-            "actor/ratio": stats["ratio"],
-            "actor/grad_norm": stats["grad_norm"],
-            "actor/lr": self.optimizer_settings.lr_at(max(self.trainer.global_step - 1, 0)),
-            "rollout/logprob_diff_max": lp_diff,
-            "response_length/mean": len_sum / count,
-            "response_length/max": len_max,
-            "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
-            "perf/step_tokens_per_s": tokens / max(times["step"], 1e-9),
-        }
-        metrics.update({f"time/{k}": v for k, v in times.items()})
-        self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=int(count))
-        self.log_dict(
-            {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]},
-            prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True,
-        )  # fmt: skip
-        self._log_samples(rollouts)
+    def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float] | None) -> None:
+        from yatt_lightning.step_metrics import log_step
 
-    def _log_samples(self, rollouts: RolloutBatch) -> None:
-        """A few of rank 0's completions as a Markdown table in TensorBoard's Text tab."""
-        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs scalars at
-        writer = getattr(self.logger, "experiment", None) if self.logger is not None else None
-        if not (self.log_samples and self.trainer.is_global_zero and hasattr(writer, "add_text")):
-            return
-        if step % self.trainer.log_every_n_steps:
-            return
-        lines = ["| prompt | completion | reward |", "|---|---|---|"]
-        for i in range(min(self.log_samples, len(rollouts))):
-            cells = [rollouts.prompts[i], rollouts.completions[i]]
-            cells = [c.replace("|", "\\|").replace("\n", " ") for c in cells]
-            lines.append(f"| {cells[0]} | {cells[1]} | {float(rollouts.rewards[i]):.3f} |")
-        writer.add_text("rollout/samples", "\n".join(lines), step)
+        log_step(self, rollouts, stats)

@@ -24,7 +24,8 @@ from typing_extensions import override
 
 from yatt_lightning.controller import Controller, ParallelController
 from yatt_lightning.models.cpu import megatron_cpu_context
-from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from yatt_lightning.placement import FullColocation, PartialColocation, Placement
+from yatt_lightning.rollout.base import RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class MegatronStrategy(DDPStrategy):
             tensor parallelism.
         controller: Who moves rollout data (default :class:`~yatt_lightning.controller.ParallelController`;
             :class:`~yatt_lightning.controller.SingleController` routes everything through rank 0).
+        placement: Where the rollout engine and a generative reward model run
+            (:class:`~yatt_lightning.placement.FullColocation` by default, or ``PartialColocation``).
         offload_params: While the engine generates on a GPU, also move the policy's parameters to host
             memory (gradients and optimizer state always move). Ignored on CPU.
         timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
@@ -53,6 +56,7 @@ class MegatronStrategy(DDPStrategy):
         pipeline_model_parallel_size: int = 1,
         engine: RolloutEngine | None = None,
         controller: Controller | None = None,
+        placement: Placement | None = None,
         offload_params: bool = False,
         timeout_minutes: float = 30.0,
         **kwargs: Any,
@@ -75,6 +79,11 @@ class MegatronStrategy(DDPStrategy):
         self.engine = engine
         self.controller = controller if controller is not None else ParallelController()
         self.controller.check_layout(tensor_model_parallel_size, pipeline_model_parallel_size)
+        self.placement = placement if placement is not None else FullColocation()
+        if isinstance(self.placement, PartialColocation) and not isinstance(self.controller, ParallelController):
+            raise ValueError(
+                "`trainer.strategy.placement`: PartialColocation moves data itself; keep the ParallelController."
+            )
         self.offload_params = offload_params
         self._engine_started = False
         self.resumed_from: Path | None = None
@@ -145,24 +154,24 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self._start_engine()
+        if not self._engine_started:
+            self.placement.start_engines(self, self.lightning_module)
+            self._engine_started = True
+            # vLLM reseeds the global RNG when it starts; put the trainer's seed back.
+            torch.manual_seed(self.lightning_module.seed + self.global_rank)
 
-    def _start_engine(self) -> None:
-        if self._engine_started:
-            return
+    def start_policy_engine(self, batch_scale: int = 1) -> None:
+        """Start the policy's rollout engine on this rank (the placement decides which ranks call this)."""
         spec = self.lightning_module.rollout_engine_spec()
         t0 = time.perf_counter()
         self.engine.start(
             spec["model_path"],
             tensor_parallel_size=self.tensor_model_parallel_size * self.pipeline_model_parallel_size,
             seed=spec["seed"],
-            max_num_seqs=spec["max_num_seqs"] * self.controller.engine_batch_scale(),
+            max_num_seqs=spec["max_num_seqs"] * self.controller.engine_batch_scale() * batch_scale,
             max_model_len=spec["max_model_len"],
             dtype=spec["dtype"],
         )
-        self._engine_started = True
-        # vLLM reseeds the global RNG when it starts; put the trainer's seed back.
-        torch.manual_seed(spec["seed"] + self.global_rank)
         log.info("rank %d: rollout engine started in %.1fs", self.global_rank, time.perf_counter() - t0)
 
     @override
@@ -173,6 +182,7 @@ class MegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self._engine_started:
             self.engine.shutdown()  # before the process group goes: vLLM's groups hang off it
+            self.placement.shutdown(self, self.lightning_module)
             self._engine_started = False
         super().teardown()
 
@@ -186,7 +196,8 @@ class MegatronStrategy(DDPStrategy):
         """Engine ready with the policy's current weights; training memory released while inside (GPU).
 
         Order on a GPU: wake the engine, push the weights (the policy's parameters are still resident),
-        offload the training state, generate; then put the engine to sleep and load the state back.
+        offload the training state, generate; then put the engine to sleep. The training state comes back
+        in :meth:`training_context`, after the reward stage (which may need the device for a judge).
         """
         module = self.lightning_module
         version = module.weights_version
@@ -201,13 +212,46 @@ class MegatronStrategy(DDPStrategy):
             yield self.engine
         finally:
             self.engine.sleep()
-            module.policy.onload()
+
+    def prepare_training(self) -> None:
+        """Before the update: the training state back on the device (a no-op on CPU)."""
+        self.lightning_module.policy.onload()
 
     def generate(
-        self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int]
-    ) -> list[list[Completion]]:
-        """Completions for this data-parallel rank's prompts, through the controller."""
-        return self.controller.generate(prompts, rows, sampling, seeds)
+        self,
+        prompts: list[list[int]],
+        rows: list[dict],
+        sampling: SamplingConfig,
+        seeds: list[int],
+        keep: int | None = None,
+    ):
+        """Completions for this data-parallel rank's prompts (through the placement and the controller), and
+        the scores of reward functions the placement already computed while generating. With ``keep``, only
+        the first ``keep`` groups to finish are returned (the others are ``None``)."""
+        keep = len(prompts) if keep is None else keep
+        return self.placement.generate(self, self.lightning_module, prompts, rows, sampling, seeds, keep)
+
+    def score(self, rollouts, score_fn) -> torch.Tensor:
+        """This rank's rewards (through the controller); the end of the rollout + reward phase."""
+        scores = self.controller.score(rollouts, score_fn)
+        self.placement.record_memory("reward")
+        return scores
+
+    def finish_scoring(self, error: BaseException | None) -> None:
+        """Collective end of the rollout + reward phase: raises everywhere if any rank failed; the time
+        spent here waiting for slower ranks counts as this rank's idle time."""
+        t0 = time.perf_counter()
+        self.raise_if_any_rank_failed(error)
+        self.placement.idle += time.perf_counter() - t0
+
+    def all_reduce_min_max(self, values: list[float]) -> tuple[list[float], list[float]]:
+        """(min over ranks, max over ranks) of each value."""
+        low = torch.tensor(values, dtype=torch.float64)
+        high = low.clone()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+        return low.tolist(), high.tolist()
 
     # ------------------------------------------------------------------ failures on one rank
     def raise_if_any_rank_failed(self, error: BaseException | None) -> None:

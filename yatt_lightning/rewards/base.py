@@ -1,26 +1,36 @@
-"""Reward functions: the protocol, and plain Python functions loaded by their import path."""
+"""Reward functions: the base class, error policy, and plain Python functions loaded by import path.
+
+Every reward function scores a batch of samples and returns one float per sample (optionally per-token
+rewards and metrics to log). Several are summed with their weights. A function that raises or returns
+something that is not a finite number stops training with an error naming the function and the sample;
+with ``on_error: zero`` the sample scores 0 instead and the count is logged (``reward/<name>/errors``).
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Literal
+
+log = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
     """A reward function failed (raised, or returned something that is not a finite number) on a sample."""
 
 
-@runtime_checkable
-class RewardFunction(Protocol):
-    """Scores a batch of completions: one float per sample."""
+@dataclass
+class RewardOutput:
+    """Scores of a batch: one per sample; optional per-token rewards; metrics summed over ranks for logging."""
 
-    name: str
-
-    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]: ...
+    scores: list[float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    token_rewards: list[list[float]] | None = None
 
 
 def describe_sample(prompt: str, completion: str, row: dict) -> str:
@@ -37,38 +47,103 @@ def public_fields(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("_") and k != "prompt"}
 
 
-class FunctionReward:
+class RewardFunction:
+    """Base class. Subclasses implement :meth:`score`.
+
+    Args:
+        weight: Multiplies this function's scores in the sum of rewards.
+        on_error: ``raise`` stops training naming the sample; ``zero`` scores the sample 0 and counts it.
+        name: Name in logs (default: derived from the function).
+    """
+
+    def __init__(
+        self, weight: float = 1.0, on_error: Literal["raise", "zero"] = "raise", name: str | None = None
+    ) -> None:
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"`on_error` must be 'raise' or 'zero', got {on_error!r}.")
+        self.weight = weight
+        self.on_error = on_error
+        self.name = name or type(self).__name__
+
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput | list[float]:
+        raise NotImplementedError
+
+    def metric_names(self) -> list[str]:
+        """Every metric this function may report (the same on every rank, so ranks can sum them)."""
+        return [f"reward/{self.name}/errors"]
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput:
+        try:
+            out = self.score(prompts, completions, rows)
+        except RewardError:
+            raise
+        except Exception as err:
+            if self.on_error == "raise":
+                raise RewardError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
+            log.warning("reward function %s raised %s: %s; scoring the batch 0", self.name, type(err).__name__, err)
+            return RewardOutput([0.0] * len(completions), {f"reward/{self.name}/errors": float(len(completions))})
+        if not isinstance(out, RewardOutput):
+            out = RewardOutput(list(out))
+        if len(out.scores) != len(completions):
+            raise RewardError(
+                f"reward function {self.name} returned {len(out.scores)} scores for {len(completions)} samples"
+            )
+        errors = 0
+        for i, value in enumerate(out.scores):
+            score = _as_float(value)
+            if math.isfinite(score):
+                out.scores[i] = score
+                continue
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"reward function {self.name} returned {value!r} (not a finite number) on "
+                    f"{describe_sample(prompts[i], completions[i], rows[i])}"
+                )
+            out.scores[i] = 0.0
+            errors += 1
+        if errors or self.on_error == "zero":
+            out.metrics[f"reward/{self.name}/errors"] = out.metrics.get(f"reward/{self.name}/errors", 0.0) + errors
+        return out
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+class RuleReward(RewardFunction):
     """A plain function ``f(prompt: str, completion: str, **row) -> float`` used as a reward.
 
     Args:
-        path: Dotted import path, e.g. ``my_module.my_reward`` (the module must be importable from the
-            working directory or the Python path).
+        path: Dotted import path, e.g. ``my_module.my_reward`` (importable from the working directory or
+            the Python path).
+        weight: Multiplies the scores in the sum of rewards.
+        on_error: ``raise`` (default) or ``zero`` (score 0 and count it).
+        name: Name in logs (default: the function's dotted path).
     """
 
-    def __init__(self, path: str) -> None:
-        self.name = path
+    def __init__(
+        self, path: str, weight: float = 1.0, on_error: Literal["raise", "zero"] = "raise", name: str | None = None
+    ) -> None:
+        super().__init__(weight=weight, on_error=on_error, name=name or path)
         self.fn = load_callable(path)
 
-    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-        scores = []
+    def score(self, prompts, completions, rows) -> RewardOutput:
+        scores, errors = [], 0
         for prompt, completion, row in zip(prompts, completions, rows, strict=True):
             try:
-                value = self.fn(prompt, completion, **public_fields(row))
+                scores.append(self.fn(prompt, completion, **public_fields(row)))
             except Exception as err:
-                raise RewardError(
-                    f"reward function {self.name} raised {type(err).__name__}: {err} on {describe_sample(prompt, completion, row)}"
-                ) from err
-            try:
-                score = float(value)
-            except (TypeError, ValueError):
-                score = math.nan
-            if not math.isfinite(score):
-                raise RewardError(
-                    f"reward function {self.name} returned {value!r} (not a finite number) on "
-                    f"{describe_sample(prompt, completion, row)}"
-                )
-            scores.append(score)
-        return scores
+                if self.on_error == "raise":
+                    raise RewardError(
+                        f"reward function {self.name} raised {type(err).__name__}: {err} on "
+                        f"{describe_sample(prompt, completion, row)}"
+                    ) from err
+                scores.append(0.0)
+                errors += 1
+        return RewardOutput(scores, {f"reward/{self.name}/errors": float(errors)} if errors else {})
 
 
 def load_callable(path: str, key: str = "model.reward_fn") -> Callable:

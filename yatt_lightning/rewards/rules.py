@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 
 _LETTERS = set(string.ascii_lowercase)
@@ -20,3 +21,33 @@ def alphabet_reward(prompt: str, completion: str, answer: str, **row) -> float:
     letters = sum(1 for w in got if w in _LETTERS)
     correct = sum(1 for w, e in zip(got, expected, strict=False) if w == e)
     return 0.5 * letters / len(expected) + 0.5 * correct / len(expected)
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def math_answer_reward(prompt: str, completion: str, answer: str, **row) -> float:
+    """1.0 when the completion's final answer equals ``answer``, else 0.0.
+
+    The final answer is the last ``\\boxed{...}`` if there is one, else the last number in the completion.
+    Numbers compare by value (``1,000`` = ``1000.0``); anything else compares as stripped text.
+    """
+    boxed = _BOXED.findall(completion)
+    if boxed:
+        got = boxed[-1]
+    else:
+        numbers = _NUMBER.findall(completion)
+        if not numbers:
+            return 0.0
+        got = numbers[-1]
+    return 1.0 if _normalise(got) == _normalise(str(answer)) else 0.0
+
+
+def _normalise(text: str) -> str:
+    text = text.strip().rstrip(".").replace("$", "")
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:
+        return text
+    return repr(value)

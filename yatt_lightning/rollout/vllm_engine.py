@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,6 +53,10 @@ class VLLMEngine:
         dtype: Weight dtype inside the engine; ``None`` uses the policy's training dtype, so the engine's
             logprobs match the trainer's.
         sleep_level: vLLM sleep level used when colocated on a GPU (1 keeps weights in host memory).
+        multiprocess: Run the engine core in a child process instead of the trainer's process. Needed
+            for an engine on some ranks only (partial colocation): an in-process engine joins the
+            trainer's process group, so every rank must create it at the same point. Slower to start
+            (~30 s on CPU) and weights travel as bytes.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         dtype: str | None = None,
         sleep_level: int = 1,
+        multiprocess: bool = False,
     ) -> None:
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1 << 20:
             raise ValueError(f"`engine.kv_cache_memory_bytes` must be at least 1 MiB, got {kv_cache_memory_bytes}.")
@@ -76,6 +81,8 @@ class VLLMEngine:
         self.enforce_eager = enforce_eager
         self.dtype = dtype
         self.sleep_level = sleep_level
+        self.multiprocess = multiprocess
+        self._batches = 0
         self.llm = None
         self.asleep = False
 
@@ -101,6 +108,16 @@ class VLLMEngine:
         )
         on_gpu = torch.cuda.is_available()
         kwargs = {}
+        if self.multiprocess and tensor_parallel_size > 1:
+            raise ValueError("`engine.multiprocess` engines run with tensor_parallel_size 1 (one per rank).")
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocess else "0"
+        if self.multiprocess:
+            # The model runs inside the engine's child process; a further worker process would talk to it
+            # through shared memory whose readers busy-wait, which starves a small CPU machine.
+            kwargs["distributed_executor_backend"] = "uni"
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # The external launcher reads the torchrun variables; Lightning's own launcher sets only some.
@@ -138,39 +155,107 @@ class VLLMEngine:
         self.llm = None
 
     # ------------------------------------------------------------------ work
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int],
+        max_new_tokens: list[int] | None = None,
+    ) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, in prompt order."""
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for index, group in self.generate_stream(prompts, sampling, seeds, max_new_tokens):
+            results[index] = group
+        return results
+
+    def generate_stream(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int],
+        max_new_tokens: list[int] | None = None,
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """Yield ``(prompt index, its n completions)`` as each prompt's samples all finish.
+
+        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt. Closing the iterator early
+        aborts the requests still running (over-provisioning keeps the first groups that finish).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
-        params = [
-            SamplingParams(
+        engine = self._llm().llm_engine
+        self._batches += 1
+        pending: dict[str, int] = {}
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
+            params = SamplingParams(
                 n=sampling.n,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=sampling.max_new_tokens if max_new_tokens is None else max_new_tokens[i],
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 logprobs=0,
                 seed=seed,
                 detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, with all n samples
             )
-            for seed in seeds
-        ]
-        outputs = self._llm().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        results = []
-        for out in outputs:
-            group = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)]
-                group.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.finish_reason or "length"))
-            results.append(group)
-        return results
+            request_id = f"yatt-{self._batches}-{i}"
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            pending[request_id] = i
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        yield pending.pop(out.request_id), _completions(out)
+        finally:
+            if pending:
+                engine.abort_request(list(pending))
+
+    def complete(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
+    ) -> list[str]:
+        """One completion per prompt as text (greedy by default): what a judge model says. ``choices``
+        constrains the text to one of those strings (vLLM structured outputs)."""
+        ids = self.submit(prompts, max_new_tokens, temperature, choices)
+        done: dict[str, str] = {}
+        while len(done) < len(ids):
+            done.update(self.poll())
+        return [done[i] for i in ids]
+
+    def submit(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
+    ) -> list[str]:
+        """Queue text completions without waiting (continuous batching); :meth:`poll` collects them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        structured = StructuredOutputsParams(choice=choices) if choices else None
+        params = SamplingParams(
+            n=1, max_tokens=max_new_tokens, temperature=temperature, seed=0, structured_outputs=structured,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+        engine = self._llm().llm_engine
+        ids = []
+        for prompt in prompts:
+            self._batches += 1
+            request_id = f"yatt-text-{self._batches}"
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            ids.append(request_id)
+        return ids
+
+    def poll(self) -> dict[str, str]:
+        """One engine step: the texts of the requests that finished in it."""
+        return {out.request_id: out.outputs[0].text for out in self._llm().llm_engine.step() if out.finished}
+
+    def busy(self) -> bool:
+        return self._llm().llm_engine.has_unfinished_requests()
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        if self.multiprocess:
             from safetensors.torch import save
 
             payload = save({n: t.contiguous().cpu() for n, t in weights})
@@ -197,6 +282,15 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
+
+
+def _completions(out) -> list[Completion]:
+    group = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        ids = list(c.token_ids)
+        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)]
+        group.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.finish_reason or "length"))
+    return group
 
 
 def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, tp: int) -> int:

@@ -1,0 +1,98 @@
+"""Tier 1: dynamic sampling, long-tail policies, reward error policies and judge parsers."""
+
+import math
+
+import pytest
+import torch
+
+from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.longtail import OverProvision, PartialRollout
+from yatt_lightning.rewards import JsonParser, NumberParser, RegexParser, RewardError, RewardFunction
+from yatt_lightning.sampling import DynamicSampling
+
+
+def _batch(rewards_per_group: list[list[float]], tag: str = "") -> RolloutBatch:
+    rows, groups, rewards = [], [], []
+    for g, rs in enumerate(rewards_per_group):
+        for r in rs:
+            rows.append({"_id": f"{tag}{g}"})
+            groups.append(g)
+            rewards.append(r)
+    n = len(rows)
+    return RolloutBatch(
+        prompts=[""] * n, prompt_ids=[[1]] * n, completion_ids=[[2]] * n, completions=[""] * n, rows=rows,
+        group_ids=torch.tensor(groups), rollout_logprobs=[torch.zeros(1)] * n, finish_reasons=["stop"] * n,
+        rewards=torch.tensor(rewards),
+    )  # fmt: skip
+
+
+def _single_rank(values):
+    return values, values
+
+
+def test_dynamic_sampling_drops_all_equal_groups_and_refills():
+    """Round 1: groups a0 [1,0] and a2 [0,1] are informative, a1 [1,1] and a3 [0,0] are not -> 2 kept,
+    fewer than 3 wanted: no update. Round 2: b0 [0.5,0.2] kept -> 3 collected -> train on a0, a2, b0."""
+    ds = DynamicSampling(groups_per_update=3, max_rounds=4)
+    assert ds.step(_batch([[1, 0], [1, 1], [0, 1], [0, 0]], "a"), _single_rank) is None
+    assert ds.last == {"sampling/kept_groups": 2.0, "sampling/dropped_groups": 2.0, "sampling/rounds": 1.0}
+    out = ds.step(_batch([[0.5, 0.2], [3, 3]], "b"), _single_rank)
+    assert [r["_id"] for r in out.rows] == ["a0", "a0", "a2", "a2", "b0", "b0"]
+    assert out.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert out.rewards.tolist() == pytest.approx([1, 0, 0, 1, 0.5, 0.2])
+    assert ds.buffer == [] and ds.rounds == 0
+
+
+def test_dynamic_sampling_discards_the_surplus_and_stops_after_max_rounds():
+    ds = DynamicSampling(groups_per_update=1, max_rounds=2)
+    out = ds.step(_batch([[1, 0], [0, 1]], "a"), _single_rank)
+    assert [r["_id"] for r in out.rows] == ["a0", "a0"]  # a1 is informative too, but not carried over
+    assert ds.step(_batch([[1, 1]]), _single_rank) is None  # round 1 of 2: nothing kept, keep trying
+    assert ds.step(_batch([[0, 0]]), _single_rank) is None  # max rounds, still nothing: skip the update
+    assert ds.rounds == 0
+
+
+def test_dynamic_sampling_ranks_train_the_same_number_of_groups():
+    """Two ranks: this one has 3 informative groups, the other (simulated) only 2 -> both train 2."""
+    ds = DynamicSampling(groups_per_update=3, max_rounds=1)
+
+    def two_ranks(values):
+        return [min(values[0], 2.0), values[1]], values
+
+    out = ds.step(_batch([[1, 0], [0, 1], [2, 1]]), two_ranks)
+    assert out.num_groups == 2
+
+
+def test_over_provision_keeps_the_smaller_share():
+    assert OverProvision(extra=0.25).keep_count(16) == 12
+    assert OverProvision(extra=0.5).keep_count(3) == 2
+    with pytest.raises(ValueError, match="model.long_tail.extra"):
+        OverProvision(extra=0)
+    with pytest.raises(ValueError, match="max_new_tokens_per_step"):
+        PartialRollout(0)
+
+
+class _Flaky(RewardFunction):
+    def score(self, prompts, completions, rows):
+        return [1.0, math.nan, "x"]
+
+
+def test_reward_error_policy():
+    rows = [{"_source": f"d.jsonl:{i}"} for i in range(3)]
+    with pytest.raises(RewardError, match=r"_Flaky returned nan .*d.jsonl:1"):
+        _Flaky()(["p"] * 3, ["c"] * 3, rows)
+    out = _Flaky(on_error="zero")(["p"] * 3, ["c"] * 3, rows)
+    assert out.scores == [1.0, 0.0, 0.0]
+    assert out.metrics == {"reward/_Flaky/errors": 2.0}
+
+
+def test_judge_parsers():
+    assert NumberParser(0, 10)("Score: 7 out of 10") == pytest.approx(0.7)
+    assert NumberParser(0, 10)("no number") is None
+    assert NumberParser(0, 10)("42") is None  # out of range
+    assert RegexParser(r"verdict: (\w+)", mapping={"yes": 1.0, "no": 0.0})("The verdict: YES") == 1.0
+    assert RegexParser(r"\[(\d+)\]")("rated [3]") == 3.0
+    assert JsonParser("score")('here {"score": 0.25, "why": "ok"}') == 0.25
+    assert JsonParser("score")("{broken") is None
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        RegexParser("(")

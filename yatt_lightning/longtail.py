@@ -1,0 +1,151 @@
+"""Long-tail mitigation: a few very long responses should not hold up a whole step.
+
+With long-tailed response lengths, most of a rollout's wall time can go to the last few samples while
+the devices sit mostly idle. Three policies, chosen with ``model.long_tail``:
+
+* :class:`WaitForAll` (default): every prompt is generated to the end. Unbiased.
+* :class:`OverProvision`: launch more prompts than a step trains on and keep the groups that finish
+  first; the rest are aborted. **Bias**: prompts whose responses are long are kept less often, so the
+  policy sees short-answer prompts more than the data holds (and long reasoning less).
+* :class:`PartialRollout`: cap the tokens generated per step; samples not finished continue in the next
+  step (with the weights of that step) and their group trains once all its samples are finished.
+  **Bias**: a continued sample's early tokens were drawn from an older policy but are trained on as if
+  drawn from the current one (the PPO ratio's "old" logprobs are recomputed with the current weights),
+  an off-policy error that grows with the number of rounds a sample spans.
+
+In partial colocation, scoring already overlaps generation; ``OverProvision`` works there too.
+``PartialRollout`` works with full colocation and the parallel controller.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.rollout.base import Completion, SamplingConfig
+
+
+class LongTailPolicy:
+    """Base class: how many of a step's prompts are kept, and how they are generated."""
+
+    def keep_count(self, n_prompts: int) -> int:
+        return n_prompts
+
+    def stream(self, engine, prompts, sampling, seeds, keep: int) -> Iterator[tuple[int, list[Completion]]]:
+        """Groups as they finish; stops (aborting the rest) after ``keep`` groups."""
+        stream = engine.generate_stream(prompts, sampling, seeds)
+        try:
+            for count, item in enumerate(stream, start=1):
+                yield item
+                if count >= keep:
+                    return
+        finally:
+            stream.close()
+
+
+class WaitForAll(LongTailPolicy):
+    """Generate every prompt to the end (no mitigation, no bias)."""
+
+
+class OverProvision(LongTailPolicy):
+    """Launch ``data.batch_size`` prompts, train on the ``batch_size / (1 + extra)`` that finish first.
+
+    Args:
+        extra: Fraction of prompts launched beyond those trained on (0.25: 25% more).
+    """
+
+    def __init__(self, extra: float = 0.25) -> None:
+        if extra <= 0:
+            raise ValueError(f"`model.long_tail.extra` must be > 0, got {extra}.")
+        self.extra = extra
+
+    def keep_count(self, n_prompts: int) -> int:
+        return max(1, math.floor(n_prompts / (1 + self.extra) + 1e-9))
+
+
+@dataclass
+class _Pending:
+    row: dict
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = "length"
+
+
+class PartialRollout(LongTailPolicy):
+    """Generate at most ``max_new_tokens_per_step`` tokens per sample per step; unfinished samples continue.
+
+    Args:
+        max_new_tokens_per_step: Token budget per sample in one step (``sampling.max_new_tokens`` stays
+            the limit of the whole response).
+    """
+
+    def __init__(self, max_new_tokens_per_step: int = 64) -> None:
+        if max_new_tokens_per_step < 1:
+            raise ValueError(f"`model.long_tail.max_new_tokens_per_step` must be >= 1, got {max_new_tokens_per_step}.")
+        self.max_new_tokens_per_step = max_new_tokens_per_step
+        self.carried: list[list[_Pending]] = []  # groups still generating, then groups finished but not yet trained
+
+    def rollout(self, module, batch: list[dict]) -> RolloutBatch:
+        """This step's rollouts: groups finished now, from this step's prompts or earlier ones."""
+        n, total = module.sampling.n, module.sampling.max_new_tokens
+        groups = self.carried + [[_Pending(row, module.tokenize_prompt(row)) for _ in range(n)] for row in batch]
+        todo = [(g, s) for g, group in enumerate(groups) for s, sample in enumerate(group) if not sample.finished]
+        if todo:
+            step = module.trainer.global_step
+            cap = min(self.max_new_tokens_per_step, total)
+            sampling = SamplingConfig(n=1, max_new_tokens=cap, temperature=module.sampling.temperature,
+                                      top_p=module.sampling.top_p, top_k=module.sampling.top_k)  # fmt: skip
+            prompts = [groups[g][s].prompt_ids + groups[g][s].token_ids for g, s in todo]
+            seeds = [
+                zlib.crc32(
+                    f"{module.seed}:{step}:{groups[g][s].row.get('_id', g)}:{s}:{len(groups[g][s].token_ids)}".encode()
+                )
+                % (2**31 - 1)
+                for g, s in todo
+            ]
+            outputs, _ = module.trainer.strategy.generate(prompts, [groups[g][0].row for g, _ in todo], sampling, seeds)
+            for (g, s), out in zip(todo, outputs, strict=True):
+                sample, new = groups[g][s], out[0]
+                room = total - len(sample.token_ids)
+                sample.token_ids += new.token_ids[:room]
+                sample.logprobs += new.logprobs[:room]
+                if new.finish_reason == "stop" or len(sample.token_ids) >= total:
+                    sample.finished, sample.finish_reason = (
+                        True,
+                        new.finish_reason if new.finish_reason == "stop" else "length",
+                    )
+        done = [i for i, group in enumerate(groups) if all(s.finished for s in group)]
+        # Data-parallel ranks train the same number of groups: the fewest any rank finished.
+        lows, _ = module.trainer.strategy.all_reduce_min_max([float(len(done))])
+        take = done[: int(lows[0])]
+        self.carried = [group for i, group in enumerate(groups) if i not in set(take)]
+        self.last = {
+            "long_tail/carried_groups": float(len(self.carried)),
+            "long_tail/finished_groups": float(len(take)),
+        }
+        samples = [(k, s) for k, i in enumerate(take) for s in groups[i]]
+        completion_ids = [s.token_ids for _, s in samples]
+        return RolloutBatch(
+            prompts=[s.row["prompt"] for _, s in samples],
+            prompt_ids=[s.prompt_ids for _, s in samples],
+            completion_ids=completion_ids,
+            completions=module.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            rows=[s.row for _, s in samples],
+            group_ids=torch.tensor([k for k, _ in samples], dtype=torch.long),
+            rollout_logprobs=[torch.tensor(s.logprobs, dtype=torch.float) for _, s in samples],
+            finish_reasons=[s.finish_reason for _, s in samples],
+            extras={"precomputed": {}},
+        )
+
+    def state_dict(self) -> dict:
+        return {"carried": self.carried}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carried = state["carried"]

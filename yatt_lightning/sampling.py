@@ -1,0 +1,90 @@
+"""Dynamic sampling (DAPO, Yu et al., 2025): train only on groups whose rewards differ.
+
+A group whose n samples all got the same reward has zero advantage under group normalisation: it adds
+nothing to the gradient but still costs a training pass, and it shrinks the effective batch. Dynamic
+sampling drops such groups and keeps generating until ``groups_per_update`` informative groups are
+collected. Oversampling is set by the data: each RL step (a "round") generates ``data.batch_size``
+prompts, so ``data.batch_size / groups_per_update`` is the oversampling ratio per round. Rounds are
+successive training steps of the Lightning loop: a round that does not complete the buffer ends without
+an update (``trainer.global_step`` does not advance). After ``max_rounds`` rounds the update runs with
+what was collected. Data-parallel ranks decide together (an update needs every rank to be ready), and
+each trains on the same number of groups, the smallest any rank collected.
+
+Choices: extra groups beyond ``groups_per_update`` are discarded (not carried to the next update), so
+every update trains on samples of the current policy only; the buffer is saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+from yatt_lightning.batch import RolloutBatch
+
+
+class DynamicSampling:
+    """Args:
+    groups_per_update: Informative groups (prompts) per rank for one update.
+    max_rounds: Generation rounds at most before updating with what was collected.
+    min_reward_std: A group is informative when its rewards' standard deviation exceeds this.
+    """
+
+    def __init__(self, groups_per_update: int, max_rounds: int = 4, min_reward_std: float = 0.0) -> None:
+        if groups_per_update < 1:
+            raise ValueError(f"`model.dynamic_sampling.groups_per_update` must be >= 1, got {groups_per_update}.")
+        if max_rounds < 1:
+            raise ValueError(f"`model.dynamic_sampling.max_rounds` must be >= 1, got {max_rounds}.")
+        if min_reward_std < 0:
+            raise ValueError(f"`model.dynamic_sampling.min_reward_std` must be >= 0, got {min_reward_std}.")
+        self.groups_per_update = groups_per_update
+        self.max_rounds = max_rounds
+        self.min_reward_std = min_reward_std
+        self.buffer: list[RolloutBatch] = []
+        self.rounds = 0
+        self.last: dict[str, float] = {}
+
+    def informative_groups(self, rollouts: RolloutBatch) -> list[int]:
+        """Groups whose rewards are not all (nearly) equal, in order of first appearance."""
+        keep = []
+        for g in dict.fromkeys(rollouts.group_ids.tolist()):
+            r = rollouts.rewards[rollouts.group_ids == g].double()
+            spread = r.std().item() if r.numel() > 1 else 0.0
+            if spread > self.min_reward_std:
+                keep.append(g)
+        return keep
+
+    def collected(self) -> int:
+        return sum(b.num_groups for b in self.buffer)
+
+    def add(self, rollouts: RolloutBatch) -> None:
+        keep = self.informative_groups(rollouts)
+        total = rollouts.num_groups
+        if keep:
+            self.buffer.append(rollouts.select_groups(keep))
+        self.rounds += 1
+        self.last = {"sampling/kept_groups": float(len(keep)), "sampling/dropped_groups": float(total - len(keep))}
+
+    def step(self, rollouts: RolloutBatch, all_reduce_min_max) -> RolloutBatch | None:
+        """Add a round's scored rollouts; return the batch to train on, or None if more rounds are needed.
+
+        ``all_reduce_min_max(values)`` returns (min over ranks, max over ranks) of a list of floats.
+        """
+        self.add(rollouts)
+        lows, highs = all_reduce_min_max([float(self.collected()), float(self.rounds)])
+        fewest, rounds = int(lows[0]), int(highs[1])
+        self.last["sampling/rounds"] = float(self.rounds)
+        if fewest < self.groups_per_update and rounds < self.max_rounds:
+            return None
+        take = min(fewest, self.groups_per_update)
+        self.last["sampling/groups_trained"] = float(take)
+        batch = RolloutBatch.concat(self.buffer) if self.buffer else None
+        self.buffer, self.rounds = [], 0
+        if take == 0:
+            return None  # not one informative group on some rank after max_rounds: skip this update
+        return batch.select_groups(list(range(take)))
+
+    def state_dict(self) -> dict:
+        return {"buffer": self.buffer, "rounds": self.rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer, self.rounds = state["buffer"], state["rounds"]
+
+
+__all__ = ["DynamicSampling"]

@@ -1,0 +1,112 @@
+"""What one RL step logs: reduced over ranks, written by rank 0 to the logger (TensorBoard)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from yatt_lightning.batch import RolloutBatch
+
+
+def log_step(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> None:
+    """Rollout and reward statistics every step; actor statistics when the step updated the policy
+    (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory."""
+    strategy = module.trainer.strategy
+    controller = strategy.controller
+    rewards = rollouts.rewards
+    lengths = rollouts.response_lengths()
+    # The ranks of a model-parallel group hold the same rollouts: count them once, at the group's head.
+    w = 1.0 if strategy.is_model_parallel_head else 0.0
+    # The same keys on every rank (a rank may not have seen some metric this step).
+    names = sorted(
+        {f"reward/{fn.name}/sum" for fn in module.reward_functions}
+        | {k for fn in module.reward_functions for k in fn.metric_names()}
+    )
+    diff = stats["logprob_diff_max"] if stats else 0.0
+    local = torch.tensor(
+        [w * rewards.sum(), w * (rewards**2).sum(), w * len(rewards), w * lengths.sum(), lengths.max(), diff]
+        + [w * module.reward_metrics.get(k, 0.0) for k in names],
+        dtype=torch.float64,
+    )
+    maxes = controller.all_reduce(local[[4, 5]].clone(), op=torch.distributed.ReduceOp.MAX)
+    controller.all_reduce(local)
+    local[[4, 5]] = maxes
+    r_sum, r_sq, count, len_sum, len_max, lp_diff = local[:6].tolist()
+    extra = dict(zip(names, local[6:].tolist(), strict=True))
+    module.reward_metrics = {}
+    mean = r_sum / count
+    times = module.phase_times
+    metrics = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(r_sq / count - mean**2, 0.0)),
+        "response_length/mean": len_sum / count,
+        "response_length/max": len_max,
+        "perf/rollout_tokens_per_s": len_sum / max(times["rollout"], 1e-9),
+        "perf/step_tokens_per_s": len_sum / max(times["step"], 1e-9),
+    }
+    for key, value in extra.items():  # per reward function: its mean score, and error/unparsed counts
+        if key.endswith("/sum"):
+            metrics[key.removesuffix("/sum") + "/mean"] = value / count
+        else:
+            metrics[key] = value
+    if stats is not None:
+        metrics.update(
+            {
+                "actor/pg_loss": stats["pg_loss"],
+                "actor/kl": stats["kl"],
+                "actor/clip_fraction": stats["clip_fraction"],
+                "actor/entropy": stats["entropy"],
+                "actor/ratio": stats["ratio"],
+                "actor/grad_norm": stats["grad_norm"],
+                "actor/lr": module.optimizer_settings.lr_at(max(module.trainer.global_step - 1, 0)),
+                "rollout/logprob_diff_max": lp_diff,
+            }
+        )
+    if module.dynamic_sampling is not None:
+        metrics.update(module.dynamic_sampling.last)
+    metrics.update(getattr(module.long_tail, "last", {}))
+    metrics.update({f"time/{k}": v for k, v in times.items()})
+    metrics.update(_per_rank(strategy, times))
+    module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=max(int(count), 1))
+    module.log_dict(
+        {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]},
+        prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True,
+    )  # fmt: skip
+    log_samples(module, rollouts)
+
+
+def _per_rank(strategy, times: dict[str, float]) -> dict[str, float]:
+    """Each rank's idle time in the rollout + reward phase, and the memory it held at each stage."""
+    placement = strategy.placement
+    keys = ["memory/reward_rss_gb", "memory/rollout_rss_gb"]  # the same on every rank; 0 where not measured
+    phase = times["rollout"] + times["sync"] + times["reward"]
+    mine = torch.tensor([placement.idle, phase] + [placement.memory.get(k, 0.0) for k in keys], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(strategy.world_size)]
+    if strategy.world_size > 1:
+        torch.distributed.all_gather(every, mine)
+    else:
+        every = [mine]
+    out = {}
+    for rank, values in enumerate(every):
+        idle, phase_r = values[0].item(), values[1].item()
+        out[f"idle/rank{rank}"] = idle
+        out[f"idle_fraction/rank{rank}"] = idle / phase_r if phase_r > 0 else 0.0
+        for k, v in zip(keys, values[2:].tolist(), strict=True):
+            out[f"{k}/rank{rank}"] = v
+    return out
+
+
+def log_samples(module, rollouts: RolloutBatch) -> None:
+    """A few of rank 0's completions as a Markdown table in TensorBoard's Text tab."""
+    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs scalars at
+    writer = getattr(module.logger, "experiment", None) if module.logger is not None else None
+    if not (module.log_samples and module.trainer.is_global_zero and hasattr(writer, "add_text")):
+        return
+    if step % module.trainer.log_every_n_steps:
+        return
+    lines = ["| prompt | completion | reward |", "|---|---|---|"]
+    for i in range(min(module.log_samples, len(rollouts))):
+        cells = [c.replace("|", "\\|").replace("\n", " ") for c in (rollouts.prompts[i], rollouts.completions[i])]
+        lines.append(f"| {cells[0]} | {cells[1]} | {float(rollouts.rewards[i]):.3f} |")
+    writer.add_text("rollout/samples", "\n".join(lines), step)
