@@ -206,7 +206,7 @@ class RLHFModule(pl.LightningModule):
             rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
             stats = self.update(rollouts)
         t3 = time.perf_counter()
-        sync = strategy.phase_times.get("sync", 0.0)
+        sync = strategy.phase_times["sync"]
         self.phase_times = {
             "rollout": t1 - t0 - sync,
             "sync": sync,

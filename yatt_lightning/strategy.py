@@ -88,7 +88,7 @@ class MegatronStrategy(DDPStrategy):
         self._engine_started = False
         self.resumed_from: Path | None = None
         self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
-        self.phase_times: dict[str, float] = {}
+        self.phase_times: dict[str, float] = {"sync": 0.0}
 
     # ------------------------------------------------------------------ parallel state
     @override

@@ -237,7 +237,8 @@ def _exit() -> None:
         _depth -= 1
         if _depth > 0:
             return
-        assert _mode is not None
+        if _mode is None:
+            raise RuntimeError("megatron_cpu_context exited more often than it was entered")
         _mode.__exit__(None, None, None)
         _mode = None
         torch.cuda.random.get_rng_state = _saved.pop("random.get_rng_state")

@@ -44,8 +44,8 @@ class HFArch:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"`model.policy.path`: hidden_act {cfg.hidden_act!r} is not supported (only silu/SwiGLU).")
         rope = getattr(cfg, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
+        rope_type = rope.get("rope_type")
+        if rope_type not in (None, "default"):
             raise ValueError(
                 f"`model.policy.path`: rope scaling {rope_type!r} is not supported yet (only default RoPE)."
             )
