@@ -96,3 +96,24 @@ def test_judge_parsers():
     assert JsonParser("score")("{broken") is None
     with pytest.raises(ValueError, match="not a valid regular expression"):
         RegexParser("(")
+
+
+def test_reward_model_scores_with_its_value_head(tmp_path, tiny_model_path):
+    """A Qwen2 sequence classifier with one output (a value head) built from the tiny model: the reward
+    is its output at the last token, the same as calling transformers directly."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
+
+    from yatt_lightning.rewards import RewardModel
+
+    config = AutoConfig.from_pretrained(tiny_model_path, num_labels=1)
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rm = RewardModel(str(tmp_path / "rm"), batch_size=2)
+    prompts, completions = ["after a", "after b", "after c"], [" b c", " x", " d e f"]
+    out = rm(prompts, completions, [{}, {}, {}])
+    model.config.pad_token_id = tokenizer.pad_token_id
+    expected = [model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0].item() for p, c in zip(prompts, completions)]
+    assert out.scores == pytest.approx(expected, abs=1e-5)

@@ -229,6 +229,8 @@ class RLHFModule(pl.LightningModule):
             prompt_ids, batch, self.sampling, self.sample_seeds(batch), keep=keep
         )
         samples = [(g, c) for g, group in enumerate(groups) if group is not None for c in group]
+        if keep < len(batch):
+            self.long_tail.last = {"long_tail/kept_groups": float(sum(g is not None for g in groups))}
         completion_ids = [c.token_ids for _, c in samples]
         return RolloutBatch(
             prompts=[batch[g]["prompt"] for g, _ in samples],
