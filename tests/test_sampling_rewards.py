@@ -1,12 +1,14 @@
 """Tier 1: dynamic sampling, long-tail policies, reward error policies and judge parsers."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.longtail import OverProvision, PartialRollout
+from yatt_lightning.placement import PartialColocation
 from yatt_lightning.rewards import JsonParser, NumberParser, RegexParser, RewardError, RewardFunction
 from yatt_lightning.sampling import DynamicSampling
 
@@ -115,5 +117,32 @@ def test_reward_model_scores_with_its_value_head(tmp_path, tiny_model_path):
     prompts, completions = ["after a", "after b", "after c"], [" b c", " x", " d e f"]
     out = rm(prompts, completions, [{}, {}, {}])
     model.config.pad_token_id = tokenizer.pad_token_id
-    expected = [model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0].item() for p, c in zip(prompts, completions)]
+    expected = [
+        model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0].item()
+        for p, c in zip(prompts, completions, strict=True)
+    ]
     assert out.scores == pytest.approx(expected, abs=1e-5)
+
+
+def _layout(world: int, tp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+
+
+def test_partial_colocation_roles_and_judge_batch():
+    placement = PartialColocation()
+    placement.check(_layout(4))
+    assert (placement.rollout, placement.judge) == ([0, 1], [2, 3])
+    assert [placement.partner_rollout(r) for r in (2, 3)] == [0, 1]
+    # 8 prompts x 4 samples per rank: judge 2 receives its own 32 samples and rank 0's 32; a quarter is 16.
+    assert placement.judge_batch(2, n_prompts=8, n_samples=4) == 16
+    uneven = PartialColocation(rollout_ranks=[0])
+    uneven.check(_layout(3))
+    assert uneven.partner_judges(0) == [1, 2]
+    assert uneven.judge_batch(1, n_prompts=8, n_samples=4) == 12  # (8 x 4 x 3 samples) / 2 judges / 4
+    assert PartialColocation(min_judge_batch=5).judge_batch(1, 8, 4) == 5
+    with pytest.raises(ValueError, match="min_judge_batch"):
+        PartialColocation(min_judge_batch=0)
+    with pytest.raises(ValueError, match="rollout_ranks"):
+        PartialColocation(rollout_ranks=[0, 1]).check(_layout(2))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        PartialColocation().check(_layout(2, tp=2))

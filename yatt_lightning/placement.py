@@ -9,8 +9,9 @@ CPU nothing can be released, so it measures and logs what each stage holds (``me
 ranks* (on 2 processes: one each), at the same time. The judge ranks send their prompts to the rollout
 ranks; as each prompt's samples finish, the rollout rank streams them to a judge rank, which scores
 whatever has arrived while generation continues; scores go back to the rank that owns the prompt. Then
-every rank trains (data parallel over all of them). Its engines run in child processes: an in-process
-vLLM engine joins the trainer's process group and must be created on every rank.
+every rank trains (data parallel over all of them). Its engines run inside the trainers' processes, like
+full colocation's (each rank starts its first engine at the same point: vLLM's process groups hang off the
+trainer's).
 
 Both log, per step, each rank's idle time in the rollout + reward phase (the "bubble": waiting for
 another rank or for work) as ``idle/rank<r>`` and ``idle_fraction/rank<r>``.
@@ -101,12 +102,13 @@ class PartialColocation(Placement):
             host the judge's engine. Each judge rank is paired with rollout rank ``index % len(rollout)``.
         min_judge_batch: While the judge's engine is idle, arriving samples are held until this many are
             waiting (or the stream ends), then judged as one batch; samples arriving meanwhile form the
-            next. An engine step has a fixed cost, so judging each sample the moment it arrives would
-            spend most of the time on tiny batches.
+            next. An engine step has a fixed cost, so judging each sample the moment it arrives spends
+            the judge's time on tiny batches, while waiting for a large batch delays the overlap. ``None``
+            (default): a quarter of the samples the judge rank receives per step.
     """
 
-    def __init__(self, rollout_ranks: list[int] | None = None, min_judge_batch: int = 32) -> None:
-        if min_judge_batch < 1:
+    def __init__(self, rollout_ranks: list[int] | None = None, min_judge_batch: int | None = None) -> None:
+        if min_judge_batch is not None and min_judge_batch < 1:
             raise ValueError(f"`placement.min_judge_batch` must be >= 1, got {min_judge_batch}.")
         self.rollout_ranks = rollout_ranks
         self.min_judge_batch = min_judge_batch
@@ -147,14 +149,13 @@ class PartialColocation(Placement):
         spec = module.rollout_engine_spec()
         rank = strategy.global_rank
         n_judge_ranks = len(self.partner_judges(rank)) + 1
+        # In-process engines join the trainer's process group: vLLM's groups are created by whichever engine
+        # starts first on each rank, so every rank starts one here, at the same point.
         if rank in self.rollout:
-            strategy.engine.multiprocess = True
             strategy.start_policy_engine(batch_scale=n_judge_ranks)
         else:
             for genrm in self.judges(module):
-                genrm.start(
-                    seed=spec["seed"], max_num_seqs=spec["max_num_seqs"] * 2, dtype=spec["dtype"], multiprocess=True
-                )
+                genrm.start(seed=spec["seed"], max_num_seqs=spec["max_num_seqs"] * 2, dtype=spec["dtype"])
 
     def generate(self, strategy, module, prompts, rows, sampling, seeds, keep):
         from yatt_lightning.collectives import exchange_objects
@@ -171,6 +172,15 @@ class PartialColocation(Placement):
         if rank in self.rollout:
             return self._rollout_side(strategy, module, prompts, rows, seeds, keep, sampling, received)
         return self._judge_side(strategy, module, len(prompts), sampling)
+
+    def judge_batch(self, rank: int, n_prompts: int, n_samples: int) -> int:
+        """Samples the judge on ``rank`` holds before judging while idle (see ``min_judge_batch``)."""
+        if self.min_judge_batch is not None:
+            return self.min_judge_batch
+        source = self.partner_rollout(rank)
+        judges = len(self.partner_judges(source))
+        expected = n_prompts * n_samples * (judges + 1) / judges  # its own groups and a share of the source's
+        return max(1, int(expected) // 4)
 
     # -- rollout ranks
     def _rollout_side(self, strategy, module, prompts, rows, seeds, keep, sampling, received):
@@ -242,6 +252,7 @@ class PartialColocation(Placement):
         rank = strategy.global_rank
         source = self.partner_rollout(rank)
         judges = self.judges(module)
+        batch = self.judge_batch(rank, n_prompts, sampling.n)
         for genrm in judges:
             genrm.engine.wake_up()
         messages: list[dict] = []
@@ -254,9 +265,7 @@ class PartialColocation(Placement):
             while not done or held or any(outstanding):
                 busy = any(outstanding)
                 # Receive what has arrived; while the judge is idle, wait for a batch worth judging.
-                while not done and (
-                    request.ready() or (not busy and self._held_samples(messages, held) < self.min_judge_batch)
-                ):
+                while not done and (request.ready() or (not busy and self._held_samples(messages, held) < batch)):
                     t0 = time.perf_counter()
                     message = request.take()
                     self.idle += time.perf_counter() - t0

@@ -72,13 +72,12 @@ class GenerativeRewardModel(RewardFunction):
         self.last_unparsed: list[str] = []
 
     # ------------------------------------------------------------------ engine
-    def start(self, *, seed: int, max_num_seqs: int, dtype: str, multiprocess: bool = False) -> None:
+    def start(self, *, seed: int, max_num_seqs: int, dtype: str) -> None:
         """Start the judge's engine on this rank (called by the placement)."""
         from transformers import AutoTokenizer
 
         path = resolve_model_path(self.model, key="model.rewards.model")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.engine.multiprocess = multiprocess or self.engine.multiprocess
         self.engine.start(
             path, tensor_parallel_size=1, seed=seed, max_num_seqs=max_num_seqs,
             max_model_len=self.max_judge_tokens + self.max_new_tokens, dtype=dtype,

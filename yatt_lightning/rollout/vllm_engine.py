@@ -53,10 +53,6 @@ class VLLMEngine:
         dtype: Weight dtype inside the engine; ``None`` uses the policy's training dtype, so the engine's
             logprobs match the trainer's.
         sleep_level: vLLM sleep level used when colocated on a GPU (1 keeps weights in host memory).
-        multiprocess: Run the engine core in a child process instead of the trainer's process. Needed
-            for an engine on some ranks only (partial colocation): an in-process engine joins the
-            trainer's process group, so every rank must create it at the same point. Slower to start
-            (~30 s on CPU) and weights travel as bytes.
     """
 
     def __init__(
@@ -67,7 +63,6 @@ class VLLMEngine:
         enforce_eager: bool = True,
         dtype: str | None = None,
         sleep_level: int = 1,
-        multiprocess: bool = False,
     ) -> None:
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1 << 20:
             raise ValueError(f"`engine.kv_cache_memory_bytes` must be at least 1 MiB, got {kv_cache_memory_bytes}.")
@@ -81,7 +76,6 @@ class VLLMEngine:
         self.enforce_eager = enforce_eager
         self.dtype = dtype
         self.sleep_level = sleep_level
-        self.multiprocess = multiprocess
         self._batches = 0
         self.llm = None
         self.asleep = False
@@ -108,16 +102,10 @@ class VLLMEngine:
         )
         on_gpu = torch.cuda.is_available()
         kwargs = {}
-        if self.multiprocess and tensor_parallel_size > 1:
-            raise ValueError("`engine.multiprocess` engines run with tensor_parallel_size 1 (one per rank).")
         import vllm.envs
 
         vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocess else "0"
-        if self.multiprocess:
-            # The model runs inside the engine's child process; a further worker process would talk to it
-            # through shared memory whose readers busy-wait, which starves a small CPU machine.
-            kwargs["distributed_executor_backend"] = "uni"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # The external launcher reads the torchrun variables; Lightning's own launcher sets only some.
@@ -255,13 +243,7 @@ class VLLMEngine:
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
-        if self.multiprocess:
-            from safetensors.torch import save
-
-            payload = save({n: t.contiguous().cpu() for n, t in weights})
-        else:
-            payload = weights
-        self._llm().collective_rpc("yatt_reload_weights", args=(payload,))
+        self._llm().collective_rpc("yatt_reload_weights", args=(weights,))
         # Cached keys/values were computed with the old weights.
         self._llm().reset_prefix_cache()
 

@@ -12,11 +12,7 @@ class WeightSyncExtension:
     loading (for oneDNN on CPU, for quantised kernels on GPU) and only the reload path repeats that.
     """
 
-    def yatt_reload_weights(self, weights: list[tuple[str, torch.Tensor]] | bytes) -> int:
-        if isinstance(weights, bytes):  # engine in a child process: tensors travel as safetensors bytes
-            from safetensors.torch import load
-
-            weights = list(load(weights).items())
+    def yatt_reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(weights))
         return len(weights)
 
