@@ -8,8 +8,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
 
 
-def build_cli(overrides: list[str], *, logger: bool = False):
-    """A YattCLI (not yet run) for the tiny config with ``overrides``; checkpointing off unless asked."""
+def build_cli(overrides: list[str], *, logger: bool = False, config: str = TINY):
+    """A YattCLI (not yet run) for ``config`` (the tiny one by default) with ``overrides``; checkpointing off."""
     import os
 
     import torch
@@ -20,7 +20,7 @@ def build_cli(overrides: list[str], *, logger: bool = False):
     configure_logging()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    args = ["--config", TINY, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
+    args = ["--config", config, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
     if not logger:
         args += ["--trainer.logger", "false"]
     return YattCLI(args=args + overrides, run=False)

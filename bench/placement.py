@@ -57,22 +57,13 @@ class LognormalLengths(WaitForAll):
             u2 = (zlib.crc32(f"b{seed}".encode()) % 10**6 + 0.5) / 10**6
             z = math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
             budgets.append(int(min(self.cap, max(2, self.median * math.exp(self.sigma * z)))))
-        stream = engine.generate_stream(prompts, sampling, seeds, max_new_tokens=budgets)
-        try:
-            for count, item in enumerate(stream, start=1):
-                yield item
-                if count >= keep:
-                    return
-        finally:
-            stream.close()
+        yield from super().stream(engine, prompts, sampling, seeds, keep, max_new_tokens=budgets)
 
 
 def _child(out: Path, config: str) -> None:
     import torch
+    from _common import build_cli
     from lightning.pytorch import Callback
-
-    from yatt_lightning.cli import YattCLI
-    from yatt_lightning.logging_setup import configure_logging
 
     class Phase(Callback):
         def __init__(self) -> None:
@@ -93,9 +84,7 @@ def _child(out: Path, config: str) -> None:
             if trainer.is_global_zero:
                 out.write_text(json.dumps(self.rows))
 
-    torch.set_num_threads(1)
-    configure_logging()
-    cli = YattCLI(args=["--config", config], run=False)
+    cli = build_cli([], config=config)
     cli.trainer.callbacks.append(Phase())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
@@ -105,7 +94,7 @@ def _config(tmp: Path, placement: str, args: argparse.Namespace) -> str:
 
     config = yaml.safe_load((REPO / "configs" / "grpo_genrm_full.yaml").read_text())
     trainer, model = config["trainer"], config["model"]["init_args"]
-    trainer.update(max_steps=args.steps + WARMUP, logger=False, callbacks=[])
+    trainer["max_steps"] = args.steps + WARMUP
     trainer["strategy"]["init_args"]["placement"] = {"class_path": f"yatt_lightning.placement.{placement}"}
     if placement == "PartialColocation" and args.min_judge_batch:
         trainer["strategy"]["init_args"]["placement"]["init_args"] = {"min_judge_batch": args.min_judge_batch}

@@ -63,6 +63,23 @@ class RolloutBatch:
         )
 
     @staticmethod
+    def from_samples(samples: list[tuple], tokenizer, precomputed: dict | None = None) -> RolloutBatch:
+        """A batch from ``(group id, row, prompt ids, completion)`` per sample; a completion is anything with
+        ``token_ids``, ``logprobs`` and ``finish_reason`` (``precomputed``: scores a placement already has)."""
+        completion_ids = [c.token_ids for *_, c in samples]
+        return RolloutBatch(
+            prompts=[row["prompt"] for _, row, _, _ in samples],
+            prompt_ids=[ids for _, _, ids, _ in samples],
+            completion_ids=completion_ids,
+            completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            rows=[row for _, row, _, _ in samples],
+            group_ids=torch.tensor([g for g, *_ in samples], dtype=torch.long),
+            rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for *_, c in samples],
+            finish_reasons=[c.finish_reason for *_, c in samples],
+            extras={"precomputed": precomputed or {}},
+        )
+
+    @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         """One batch holding the groups of ``batches`` (group ids made distinct)."""
         offset, group_ids = 0, []

@@ -24,8 +24,6 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.rollout.base import Completion, SamplingConfig
 
@@ -36,9 +34,12 @@ class LongTailPolicy:
     def keep_count(self, n_prompts: int) -> int:
         return n_prompts
 
-    def stream(self, engine, prompts, sampling, seeds, keep: int) -> Iterator[tuple[int, list[Completion]]]:
-        """Groups as they finish; stops (aborting the rest) after ``keep`` groups."""
-        stream = engine.generate_stream(prompts, sampling, seeds)
+    def stream(
+        self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """Groups as they finish; stops (aborting the rest) after ``keep`` groups. ``max_new_tokens``: a
+        budget per prompt instead of ``sampling.max_new_tokens``."""
+        stream = engine.generate_stream(prompts, sampling, seeds, max_new_tokens)
         try:
             for count, item in enumerate(stream, start=1):
                 yield item
@@ -125,24 +126,14 @@ class PartialRollout(LongTailPolicy):
         # Data-parallel ranks train the same number of groups: the fewest any rank finished.
         lows, _ = module.trainer.strategy.all_reduce_min_max([float(len(done))])
         take = done[: int(lows[0])]
-        self.carried = [group for i, group in enumerate(groups) if i not in set(take)]
+        taken = set(take)
+        self.carried = [group for i, group in enumerate(groups) if i not in taken]
         self.last = {
             "long_tail/carried_groups": float(len(self.carried)),
             "long_tail/finished_groups": float(len(take)),
         }
-        samples = [(k, s) for k, i in enumerate(take) for s in groups[i]]
-        completion_ids = [s.token_ids for _, s in samples]
-        return RolloutBatch(
-            prompts=[s.row["prompt"] for _, s in samples],
-            prompt_ids=[s.prompt_ids for _, s in samples],
-            completion_ids=completion_ids,
-            completions=module.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            rows=[s.row for _, s in samples],
-            group_ids=torch.tensor([k for k, _ in samples], dtype=torch.long),
-            rollout_logprobs=[torch.tensor(s.logprobs, dtype=torch.float) for _, s in samples],
-            finish_reasons=[s.finish_reason for _, s in samples],
-            extras={"precomputed": {}},
-        )
+        samples = [(k, s.row, s.prompt_ids, s) for k, i in enumerate(take) for s in groups[i]]
+        return RolloutBatch.from_samples(samples, module.tokenizer)
 
     def state_dict(self) -> dict:
         return {"carried": self.carried}

@@ -228,21 +228,12 @@ class RLHFModule(pl.LightningModule):
         groups, precomputed = self.trainer.strategy.generate(
             prompt_ids, batch, self.sampling, self.sample_seeds(batch), keep=keep
         )
-        samples = [(g, c) for g, group in enumerate(groups) if group is not None for c in group]
         if keep < len(batch):
             self.long_tail.last = {"long_tail/kept_groups": float(sum(g is not None for g in groups))}
-        completion_ids = [c.token_ids for _, c in samples]
-        return RolloutBatch(
-            prompts=[batch[g]["prompt"] for g, _ in samples],
-            prompt_ids=[prompt_ids[g] for g, _ in samples],
-            completion_ids=completion_ids,
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            rows=[batch[g] for g, _ in samples],
-            group_ids=torch.tensor([g for g, _ in samples], dtype=torch.long),
-            rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for _, c in samples],
-            finish_reasons=[c.finish_reason for _, c in samples],
-            extras={"precomputed": precomputed},
-        )
+        samples = [
+            (g, batch[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group
+        ]
+        return RolloutBatch.from_samples(samples, self.tokenizer, precomputed)
 
     def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
         """One scalar reward per sample, computed where the rollouts live (see the controller and placement)."""

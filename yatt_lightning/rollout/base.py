@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -70,6 +70,17 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """``sampling.n`` completions for each prompt (token ids); ``seeds[i]`` seeds prompt i's samples."""
+
+    def generate_stream(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int],
+        max_new_tokens: list[int] | None = None,
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """``(prompt index, its completions)`` as each prompt's samples finish (the long-tail policies and
+        partial colocation consume groups in this order); closing it early aborts the rest.
+        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt."""
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) Hugging Face-named tensors into the running engine, in place."""
