@@ -15,7 +15,7 @@ idle fraction of that phase (waiting for work or for the other process), and the
 process's phase into rollout / weight sync / reward.
 
     python bench/placement.py [--steps 6] [--judge-tokens 96] [--judge-model builtin:small-qwen2]
-        [--prompts 8] [--median 16 --sigma 1 --cap 160] [--min-judge-batch N]
+        [--prompts 8] [--median 16 --sigma 1 --cap 160] [--min-judge-batch N] [--repeats 3]
 
 ``--judge-tokens`` bounds the judge's prompt (question and the end of the answer), i.e. the cost of a
 judgment relative to generating the answer. Partial colocation can only win by hiding judging behind the
@@ -23,7 +23,11 @@ tail of generation; on equal hardware it loses when judging everything on one pr
 the other process's generation, and when a decode step's cost grows with the batch (a CPU past ~16
 sequences), since one process then generates twice the batch.
 
-Last line: ``partial_over_full=<phase time under partial / under full>``; target at most 0.85.
+The placements run in ``--repeats`` interleaved pairs (full, partial, full, partial, ...), so a slow
+spell of a shared machine lands on both; the table pools every pair's steps.
+
+Last line: ``partial_over_full=<phase time under partial / under full>``, the median over the pairs;
+target at most 0.85.
 """
 
 from __future__ import annotations
@@ -113,6 +117,11 @@ def _config(tmp: Path, placement: str, args: argparse.Namespace) -> str:
     return str(path)
 
 
+def _phase(rows: list) -> float:
+    """Mean rollout + reward phase per step; a step waits for the slower rank."""
+    return statistics.mean(max(r[0] for r in step) for step in rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
@@ -123,39 +132,46 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the budgets")
     p.add_argument("--cap", type=int, default=160, help="longest response budget, tokens")
     p.add_argument("--min-judge-batch", type=int, default=None, help="PartialColocation's (default: its own)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved full/partial pairs")
     p.add_argument("--child", nargs=2)
     args = p.parse_args()
     if args.child:
         _child(Path(args.child[0]), args.child[1])
         return
-    results = {}
+    results = {"FullColocation": [], "PartialColocation": []}
+    ratios = []
+    child = [sys.executable, str(Path(__file__).resolve()), "--child"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for placement in ("FullColocation", "PartialColocation"):
-            out = tmp / f"{placement}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), _config(tmp, placement, args)]
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=3000)
-            if proc.returncode or not out.exists():
-                sys.exit(f"{placement} failed:\n{proc.stderr[-4000:]}")
-            results[placement] = json.loads(out.read_text())
+        for _ in range(args.repeats):
+            pair = {}
+            for placement in results:
+                out = tmp / f"{placement}.json"
+                cmd = [*child, str(out), _config(tmp, placement, args)]
+                proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=3000)
+                if proc.returncode or not out.exists():
+                    sys.exit(f"{placement} failed:\n{proc.stderr[-4000:]}")
+                pair[placement] = json.loads(out.read_text())
+                out.unlink()
+                results[placement] += pair[placement]
+            ratios.append(_phase(pair["PartialColocation"]) / _phase(pair["FullColocation"]))
     print(
         f"judge {args.judge_model}, prompt <= {args.judge_tokens} tokens; {args.prompts} prompts x 4 samples per "
         f"process; budgets lognormal(median {args.median:g}, sigma {args.sigma:g}) <= {args.cap}; "
-        f"{args.steps} steps measured per placement"
+        f"{args.steps} steps measured per placement and pair; {args.repeats} interleaved pairs"
     )
     print(
         f"{'placement':<20}{'phase s/step':>14}{'idle rank 0':>13}{'idle rank 1':>13}   rollout/sync/reward s, rank 0 | 1"
     )
-    means = {}
     for placement, rows in results.items():
-        phase = statistics.mean(max(r[0] for r in step) for step in rows)  # the step waits for the slower rank
+        phase = _phase(rows)
         idle = [statistics.mean(step[k][1] / max(step[k][0], 1e-9) for step in rows) for k in range(2)]
-        means[placement] = phase
         parts = " | ".join(
             "/".join(f"{statistics.mean(step[k][i] for step in rows):.3f}" for i in (2, 3, 4)) for k in range(2)
         )
         print(f"{placement:<20}{phase:>14.3f}{idle[0]:>13.1%}{idle[1]:>13.1%}   {parts}")
-    print(f"partial_over_full={means['PartialColocation'] / means['FullColocation']:.3f}", flush=True)
+    print("partial/full per pair: " + " ".join(f"{r:.3f}" for r in ratios))
+    print(f"partial_over_full={statistics.median(ratios):.3f}", flush=True)
 
 
 if __name__ == "__main__":

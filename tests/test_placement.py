@@ -45,6 +45,8 @@ def test_full_and_partial_colocation_score_every_sample_once_and_agree(tmp_path)
         assert scored == kept, f"{name}: samples lost or scored twice"
         assert set(kept.values()) == {8}
         curves[name] = read_scalars(out / "tb")
+        # The constrained judge (one digit, stopped by length after one token) is always readable.
+        assert {v for _, v in curves[name]["reward/judge/unparsed"]} == {0.0}, name
     if_partial = curves["partial"]
     assert "idle_fraction/rank1" in if_partial and "memory/rollout_rss_gb/rank0" in curves["full"]
     assert all(0 <= v <= 1 for _, v in if_partial["idle_fraction/rank1"])
@@ -60,6 +62,21 @@ def test_partial_colocation_over_provisioning_scores_only_kept_groups(tmp_path):
     kept, scored = _ids(out, "kept_rank*.jsonl"), _ids(out, "scored_rank*.jsonl")
     assert sum(kept.values()) == 3 * 2 * 5 * 8  # floor(8 / 1.6) = 5 groups kept per rank and step
     assert scored == kept
+
+
+def test_partial_colocation_with_two_judge_ranks_per_rollout_rank(tmp_path):
+    """3 processes, one rollout rank: each judge rank gets its own groups back scored, none is lost."""
+    out = tmp_path / "uneven"
+    _run(out, PARTIAL, "--trainer.max_steps", "2", "--trainer.devices", "3",
+         "--trainer.strategy.placement.init_args.rollout_ranks", "[0]")  # fmt: skip
+    kept, scored = _ids(out, "kept_rank*.jsonl"), _ids(out, "scored_rank*.jsonl")
+    assert sum(kept.values()) == 2 * 3 * 8 * 8  # 2 steps x 3 ranks x 8 prompts x 8 samples
+    assert scored == kept
+    assert {
+        len(json.loads(line)["ids"])
+        for r in range(3)
+        for line in (out / f"kept_rank{r}.jsonl").read_text().splitlines()
+    } == {64}
 
 
 def test_a_failing_judge_stops_both_ranks_with_its_error(tmp_path):

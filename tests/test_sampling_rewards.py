@@ -9,7 +9,14 @@ import torch
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.longtail import OverProvision, PartialRollout
 from yatt_lightning.placement import PartialColocation
-from yatt_lightning.rewards import JsonParser, NumberParser, RegexParser, RewardError, RewardFunction
+from yatt_lightning.rewards import (
+    GenerativeRewardModel,
+    JsonParser,
+    NumberParser,
+    RegexParser,
+    RewardError,
+    RewardFunction,
+)
 from yatt_lightning.sampling import DynamicSampling
 
 
@@ -100,6 +107,14 @@ def test_judge_parsers():
         RegexParser("(")
 
 
+def test_constrained_judgments_stop_once_the_longest_choice_is_spelled():
+    digits = [str(i) for i in range(10)]
+    assert GenerativeRewardModel("builtin:tiny-qwen2", choices=digits, max_new_tokens=16).judgment_tokens == 1
+    assert GenerativeRewardModel("builtin:tiny-qwen2", choices=["yes", "no"], max_new_tokens=16).judgment_tokens == 3
+    assert GenerativeRewardModel("builtin:tiny-qwen2", choices=["yes", "no"], max_new_tokens=2).judgment_tokens == 2
+    assert GenerativeRewardModel("builtin:tiny-qwen2", max_new_tokens=16).judgment_tokens == 16
+
+
 def test_reward_model_scores_with_its_value_head(tmp_path, tiny_model_path):
     """A Qwen2 sequence classifier with one output (a value head) built from the tiny model: the reward
     is its output at the last token, the same as calling transformers directly."""
@@ -139,6 +154,9 @@ def test_partial_colocation_roles_and_judge_batch():
     uneven.check(_layout(3))
     assert uneven.partner_judges(0) == [1, 2]
     assert uneven.judge_batch(1, n_prompts=8, n_samples=4) == 12  # (8 x 4 x 3 samples) / 2 judges / 4
+    # A judge rank's own groups go to it; rank 0's own groups alternate between its judges.
+    turns = iter([1, 2, 1, 2])
+    assert [uneven.judge_for(owner, turns) for owner in (2, 0, 1, 0, 2, 0)] == [2, 1, 1, 2, 2, 1]
     assert PartialColocation(min_judge_batch=5).judge_batch(1, 8, 4) == 5
     with pytest.raises(ValueError, match="min_judge_batch"):
         PartialColocation(min_judge_batch=0)

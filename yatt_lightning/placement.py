@@ -138,6 +138,11 @@ class PartialColocation(Placement):
     def partner_judges(self, rank: int) -> list[int]:
         return [j for j in self.judge if self.partner_rollout(j) == rank]
 
+    def judge_for(self, owner: int, own_turns: Iterator[int]) -> int:
+        """The judge rank a finished group goes to: its owner when that is a judge rank (its scores and
+        samples are then where it trains), else the next of the rollout rank's judges in turn."""
+        return owner if owner in self.judge else next(own_turns)
+
     def start_engines(self, strategy, module) -> None:
         self.check(strategy)
         if not self.judges(module):
@@ -214,7 +219,7 @@ class PartialColocation(Placement):
                     "owner": owners[index], "index": local_index[index], "prompt": work_rows[index]["prompt"],
                     "texts": texts, "row": work_rows[index], "group": group if owners[index] != rank else None,
                 }  # fmt: skip
-                sends += _isend(message, next(stream), self._group)
+                sends += _isend(message, self.judge_for(owners[index], stream), self._group)
                 if not any(wanted.values()):
                     groups.close()  # aborts what is still generating
                     break
@@ -310,6 +315,8 @@ class PartialColocation(Placement):
                 if message["owner"] == rank:
                     back[genrm.name][message["index"]] = out.scores
                     mine[message["index"]] = message["group"]
+                elif message["owner"] != source:  # its scores would reach no one: a routing bug, not bad input
+                    raise RuntimeError(f"rank {rank} received rank {message['owner']}'s group from rank {source}")
                 else:
                     back.setdefault(f"{genrm.name}@{message['owner']}", {})[message["index"]] = out.scores
         for genrm in judges:

@@ -30,7 +30,8 @@ class GenerativeRewardModel(RewardFunction):
     model: The judge: a Hugging Face model folder or a built-in model (``builtin:tiny-qwen2``).
     template: The judge's prompt; ``{prompt}``, ``{completion}`` and the row's fields are filled in.
     parser: Reads the score from the judgment (default: the first number, 0-10, scaled to [0, 1]).
-    max_new_tokens: Longest judgment.
+    max_new_tokens: Longest judgment. With ``choices``, judgments stop once the longest choice could be
+        spelled (see :attr:`judgment_tokens`).
     choices: Constrain the judgment to one of these strings (vLLM structured outputs), e.g. the digits
         0-9; the parser then always finds a score. ``None`` lets the judge write freely.
     unparsed_score: Score of a sample whose judgment cannot be read.
@@ -80,11 +81,20 @@ class GenerativeRewardModel(RewardFunction):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.engine.start(
             path, tensor_parallel_size=1, seed=seed, max_num_seqs=max_num_seqs,
-            max_model_len=self.max_judge_tokens + self.max_new_tokens, dtype=dtype,
+            max_model_len=self.max_judge_tokens + self.judgment_tokens, dtype=dtype,
         )  # fmt: skip
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    @property
+    def judgment_tokens(self) -> int:
+        """Tokens a judgment may take. With ``choices`` no more than the longest choice has bytes (a token
+        spells at least one): a judgment that spelled its choice then stops by length instead of spending
+        one more engine step to sample end-of-text (single-digit choices: one step instead of two)."""
+        if not self.choices:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, max(len(c.encode()) for c in self.choices))
 
     @property
     def started(self) -> bool:
@@ -111,7 +121,7 @@ class GenerativeRewardModel(RewardFunction):
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput:
         self._require_engine()
         judgments = self.engine.complete(
-            self.judge_prompts(prompts, completions, rows), self.max_new_tokens, choices=self.choices
+            self.judge_prompts(prompts, completions, rows), self.judgment_tokens, choices=self.choices
         )
         return self.read(judgments)
 
@@ -119,7 +129,7 @@ class GenerativeRewardModel(RewardFunction):
         """Queue judgments without waiting (streaming placements); their texts arrive through ``engine.poll``."""
         self._require_engine()
         return self.engine.submit(
-            self.judge_prompts(prompts, completions, rows), self.max_new_tokens, choices=self.choices
+            self.judge_prompts(prompts, completions, rows), self.judgment_tokens, choices=self.choices
         )
 
     def read(self, judgments: list[str]) -> RewardOutput:
