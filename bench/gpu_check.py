@@ -20,7 +20,13 @@ def main() -> None:
     assert torch.cuda.is_available(), "gpu_check needs a CUDA device"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group("nccl")
+    from yatt_lightning.strategy import GPU_PROCESS_GROUP_BACKEND
+
+    torch.distributed.init_process_group(GPU_PROCESS_GROUP_BACKEND)  # what MegatronStrategy uses on GPUs
+    for device in ("cpu", "cuda"):  # control messages are CPU tensors, training's are CUDA tensors
+        probe = torch.ones(1, device=device)
+        torch.distributed.all_reduce(probe)
+        assert probe.item() == torch.distributed.get_world_size(), device
     from megatron.core import parallel_state as ps
 
     from yatt_lightning.models.cpu import cpu_mode

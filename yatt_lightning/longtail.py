@@ -19,6 +19,7 @@ In partial colocation, scoring already overlaps generation; ``OverProvision`` wo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterator
@@ -78,6 +79,9 @@ class _Pending:
     finished: bool = False
     finish_reason: str = "length"
 
+    def copy(self) -> _Pending:
+        return dataclasses.replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
+
 
 class PartialRollout(LongTailPolicy):
     """Generate at most ``max_new_tokens_per_step`` tokens per sample per step; unfinished samples continue.
@@ -92,11 +96,16 @@ class PartialRollout(LongTailPolicy):
             raise ValueError(f"`model.long_tail.max_new_tokens_per_step` must be >= 1, got {max_new_tokens_per_step}.")
         self.max_new_tokens_per_step = max_new_tokens_per_step
         self.carried: list[list[_Pending]] = []  # groups still generating, then groups finished but not yet trained
+        self._next: list[list[_Pending]] | None = None  # ``carried`` once the step commits
 
     def rollout(self, module, batch: list[dict]) -> RolloutBatch:
-        """This step's rollouts: groups finished now, from this step's prompts or earlier ones."""
+        """This step's rollouts: groups finished now, from this step's prompts or earlier ones. The carried
+        groups change only at :meth:`commit` (when the step is done): a step that fails leaves them as
+        they were."""
         n, total = module.sampling.n, module.sampling.max_new_tokens
-        groups = self.carried + [[_Pending(row, module.tokenize_prompt(row)) for _ in range(n)] for row in batch]
+        prompt_ids = module.tokenize_batch(batch)
+        groups = [[sample.copy() for sample in group] for group in self.carried]
+        groups += [[_Pending(row, ids) for _ in range(n)] for row, ids in zip(batch, prompt_ids, strict=True)]
         todo = [(g, s) for g, group in enumerate(groups) for s, sample in enumerate(group) if not sample.finished]
         if todo:
             step = module.trainer.global_step
@@ -127,13 +136,17 @@ class PartialRollout(LongTailPolicy):
         lows, _ = module.trainer.strategy.all_reduce_min_max([float(len(done))])
         take = done[: int(lows[0])]
         taken = set(take)
-        self.carried = [group for i, group in enumerate(groups) if i not in taken]
+        self._next = [group for i, group in enumerate(groups) if i not in taken]
         self.last = {
-            "long_tail/carried_groups": float(len(self.carried)),
+            "long_tail/carried_groups": float(len(self._next)),
             "long_tail/finished_groups": float(len(take)),
         }
         samples = [(k, s.row, s.prompt_ids, s) for k, i in enumerate(take) for s in groups[i]]
         return RolloutBatch.from_samples(samples, module.tokenizer)
+
+    def commit(self) -> None:
+        if self._next is not None:
+            self.carried, self._next = self._next, None
 
     def state_dict(self) -> dict:
         return {"carried": self.carried}

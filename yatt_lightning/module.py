@@ -8,6 +8,7 @@ group-normalised advantages, PPO-clip with token-level aggregation, optional k3 
 
 from __future__ import annotations
 
+import itertools
 import time
 import zlib
 from collections import defaultdict
@@ -38,6 +39,14 @@ class NonFiniteLossError(FloatingPointError):
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
+def mini_batch_slices(n: int, parts: int) -> list[slice]:
+    """``n`` samples in ``parts`` consecutive mini-batches whose sizes differ by one at most (fewer when
+    ``n < parts``). Dynamic sampling, over-provisioning and partial rollouts change ``n`` from step to step;
+    every data-parallel rank has the same ``n``, so all take the same number of optimizer steps."""
+    bounds = [k * n // parts for k in range(parts + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
 class RLHFModule(pl.LightningModule):
     """GRPO-style RL post-training of a Megatron-Core policy.
 
@@ -54,7 +63,8 @@ class RLHFModule(pl.LightningModule):
         kl_estimator: Per-token KL estimator (default k3).
         optimizer: Optimizer settings.
         ppo_epochs: Passes over each rollout batch.
-        mini_batches: Optimizer steps per pass (the rollout batch is split into this many parts).
+        mini_batches: Optimizer steps per pass (the rollout batch is split into this many parts of sizes
+            differing by one at most; fewer when a step has fewer samples).
         micro_batch_size: Sequences per forward/backward micro-batch.
         max_prompt_tokens: Longest prompt accepted, in tokens; a longer one is an error naming its row.
         apply_chat_template: Wrap each prompt in the tokenizer's chat template when it has one.
@@ -187,17 +197,22 @@ class RLHFModule(pl.LightningModule):
     def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
         t0 = time.perf_counter()
-        rollouts = self.rollout(batch)
-        t1 = time.perf_counter()
-        if len(rollouts) == 0:  # partial rollout: no group finished on some rank this step
-            return None
-        error = None
+        error, rollouts = None, None
+        t1 = t0
         try:
-            rollouts.rewards = self.reward(rollouts)
+            rollouts = self.rollout(batch)
+            t1 = time.perf_counter()
+            if len(rollouts):  # partial rollout: no group may have finished on some rank this step
+                rollouts.rewards = self.reward(rollouts)
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
+            if getattr(err, "raised_on_every_rank", False):
+                raise  # already collective: every rank raises it at the same point
             error = err
         strategy.finish_scoring(error)
         t2 = time.perf_counter()
+        if len(rollouts) == 0:
+            self.commit_step_state()
+            return None
         generated = rollouts
         if self.dynamic_sampling is not None:
             rollouts = self.dynamic_sampling.step(rollouts, strategy.all_reduce_min_max)
@@ -214,6 +229,7 @@ class RLHFModule(pl.LightningModule):
             "train": t3 - t2,
             "step": t3 - t0,
         }
+        self.commit_step_state()
         self.last_rollouts = generated
         self._log_step(generated, stats)
         return {"reward_mean": float(generated.rewards.mean())}
@@ -223,7 +239,7 @@ class RLHFModule(pl.LightningModule):
         policy keeps)."""
         if isinstance(self.long_tail, PartialRollout):
             return self.long_tail.rollout(self, batch)
-        prompt_ids = [self.tokenize_prompt(row) for row in batch]
+        prompt_ids = self.tokenize_batch(batch)
         keep = self.long_tail.keep_count(len(batch))
         groups, precomputed = self.trainer.strategy.generate(
             prompt_ids, batch, self.sampling, self.sample_seeds(batch), keep=keep
@@ -278,11 +294,6 @@ class RLHFModule(pl.LightningModule):
         if self.balancer is not None:
             rollouts = self.balancer.rebalance(self, rollouts)
         everything = list(range(len(rollouts)))
-        if len(rollouts) % self.mini_batches:
-            raise ValueError(
-                f"`model.mini_batches`={self.mini_batches} does not divide the {len(rollouts)} samples of a step "
-                f"(data.batch_size x model.sampling.n)."
-            )
         rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
         if self.reference is not None:
             rollouts.ref_logprobs = self.compute_logprobs(self.reference, rollouts, everything)
@@ -292,10 +303,9 @@ class RLHFModule(pl.LightningModule):
         shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(rollouts), generator=shuffle).tolist()
-            size = len(order) // self.mini_batches
-            for start in range(0, len(order), size):
+            for part in mini_batch_slices(len(order), self.mini_batches):
                 optimizer.zero_grad()
-                mbs = self.microbatches(rollouts, order[start : start + size])
+                mbs = self.microbatches(rollouts, order[part])
                 outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
                     for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
@@ -309,6 +319,25 @@ class RLHFModule(pl.LightningModule):
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         stats["logprob_diff_max"] = self._logprob_mismatch(rollouts)
         return stats
+
+    def commit_step_state(self) -> None:
+        """The step's rollouts are consumed: rollouts waiting across steps (dynamic sampling's buffer,
+        partial rollouts) take their new state. Until then a checkpoint (one saved after a failure in the
+        step, say) holds the state from before the step."""
+        for part in (self.dynamic_sampling, self.long_tail):
+            if hasattr(part, "commit"):
+                part.commit()
+
+    def tokenize_batch(self, batch: list[dict]) -> list[list[int]]:
+        """Prompt token ids of this rank's rows. Collective: a prompt that fails to tokenize (too long, say)
+        on one rank raises on every rank, before any rank enters the rollout's collectives."""
+        error, ids = None, []
+        try:
+            ids = [self.tokenize_prompt(row) for row in batch]
+        except Exception as err:
+            error = err
+        self.trainer.strategy.raise_if_any_rank_failed(error)
+        return ids
 
     # ------------------------------------------------------------------ hooks
     def tokenize_prompt(self, row: dict) -> list[int]:

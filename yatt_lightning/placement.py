@@ -19,6 +19,7 @@ another rank or for work) as ``idle/rank<r>`` and ``idle_fraction/rank<r>``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import time
@@ -51,6 +52,11 @@ class Placement:
         """(groups of completions for this rank's prompts, ``None`` for those not kept; {reward name:
         RewardOutput} already computed while generating)."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def scoring(self, module) -> Iterator[None]:
+        """Around the reward stage of a step (after generation, before training)."""
+        yield
 
     def shutdown(self, strategy, module) -> None:
         for genrm in self.judges(module):
@@ -93,6 +99,19 @@ class FullColocation(Placement):
         self.record_memory("rollout")
         return groups, {}
 
+    @contextlib.contextmanager
+    def scoring(self, module) -> Iterator[None]:
+        """The judges' engines are awake for the reward stage only: on a GPU they hold memory that the
+        policy's engine (asleep by now) and training need at the other stages."""
+        judges = self.judges(module)
+        for genrm in judges:
+            genrm.engine.wake_up()
+        try:
+            yield
+        finally:
+            for genrm in judges:
+                genrm.engine.sleep()
+
 
 class PartialColocation(Placement):
     """Rollout ranks generate while judge ranks score, streaming each finished group.
@@ -128,6 +147,11 @@ class PartialColocation(Placement):
         rollout = self.rollout_ranks or list(range(world // 2))
         if not rollout or len(rollout) >= world or any(r < 0 or r >= world for r in rollout):
             raise ValueError(f"`placement.rollout_ranks` {rollout} must name some, not all, of the {world} ranks.")
+        if 2 * len(set(rollout)) > world:
+            raise ValueError(
+                f"`placement.rollout_ranks` {rollout}: each rollout rank needs a judge rank of its own; name at most "
+                f"half of the {world} ranks."
+            )
         self.rollout = sorted(rollout)
         self.judge = [r for r in range(world) if r not in self.rollout]
 
@@ -145,6 +169,8 @@ class PartialColocation(Placement):
 
     def start_engines(self, strategy, module) -> None:
         self.check(strategy)
+        if isinstance(module.long_tail, PartialRollout):
+            raise ValueError("`model.long_tail`: PartialRollout works with FullColocation; use OverProvision here.")
         if not self.judges(module):
             raise ValueError(
                 "PartialColocation overlaps generation with a GenerativeRewardModel; add one to `model.rewards`."
@@ -165,8 +191,6 @@ class PartialColocation(Placement):
     def generate(self, strategy, module, prompts, rows, sampling, seeds, keep):
         from yatt_lightning.collectives import exchange_objects
 
-        if isinstance(module.long_tail, PartialRollout):
-            raise ValueError("`model.long_tail`: PartialRollout works with FullColocation; use OverProvision here.")
         self.reset_step()
         rank, world = strategy.global_rank, strategy.world_size
         # 1. Judge ranks hand their prompts to their rollout rank.
@@ -205,26 +229,32 @@ class PartialColocation(Placement):
         local_index = _local_indices(owners)
         mine: dict[int, list[Completion]] = {}
         sends = []
-        with strategy.rollout_context() as engine:
-            stream = _round_robin(judges)
-            groups = module.generate_groups(engine, work_prompts, sampling, work_seeds, len(work_prompts))
-            for index, group in groups:
-                if wanted[owners[index]] == 0:
-                    continue  # this owner has its groups; the others run until every owner has
-                wanted[owners[index]] -= 1
-                texts = module.tokenizer.batch_decode([c.token_ids for c in group], skip_special_tokens=True)
-                if owners[index] == rank:
-                    mine[local_index[index]] = group
-                message = {
-                    "owner": owners[index], "index": local_index[index], "prompt": work_rows[index]["prompt"],
-                    "texts": texts, "row": work_rows[index], "group": group if owners[index] != rank else None,
-                }  # fmt: skip
-                sends += _isend(message, self.judge_for(owners[index], stream), self._group)
-                if not any(wanted.values()):
-                    groups.close()  # aborts what is still generating
-                    break
+        try:
+            with strategy.rollout_context() as engine:
+                stream = _round_robin(judges)
+                groups = module.generate_groups(engine, work_prompts, sampling, work_seeds, len(work_prompts))
+                for index, group in groups:
+                    if wanted[owners[index]] == 0:
+                        continue  # this owner has its groups; the others run until every owner has
+                    wanted[owners[index]] -= 1
+                    texts = module.tokenizer.batch_decode([c.token_ids for c in group], skip_special_tokens=True)
+                    if owners[index] == rank:
+                        mine[local_index[index]] = group
+                    message = {
+                        "owner": owners[index], "index": local_index[index], "prompt": work_rows[index]["prompt"],
+                        "texts": texts, "row": work_rows[index], "group": group if owners[index] != rank else None,
+                    }  # fmt: skip
+                    sends += _isend(message, self.judge_for(owners[index], stream), self._group)
+                    if not any(wanted.values()):
+                        groups.close()  # aborts what is still generating
+                        break
+        except Exception as err:  # the judges wait for the stream's end: tell them, then fail here too
             for judge in judges:
-                sends += _isend(None, judge, self._group)  # end of stream
+                for req in _isend(("__error__", f"{type(err).__name__}: {err}"), judge, self._group):
+                    req.wait()
+            raise
+        for judge in judges:
+            sends += _isend(None, judge, self._group)  # end of stream
         self.record_memory("rollout")
         # 2. Scores of this rank's groups come back from its judges. A judge answers after it received the
         # whole stream, so the sends are complete by then; one that failed answers with its error instead.
@@ -264,6 +294,7 @@ class PartialColocation(Placement):
         texts: list[list[list[str | None]]] = []  # [message][judge][sample] -> judgment text
         outstanding: list[dict[str, tuple[int, int]]] = [{} for _ in judges]  # request id -> (message, sample)
         held: list[int] = []  # messages received, not yet submitted to the judge
+        failed: dict[tuple[int, int], RewardOutput] = {}  # (message, judge) -> the error policy's output
         done = False
         request = _PendingRecv(source, self._group)
         try:
@@ -286,7 +317,11 @@ class PartialColocation(Placement):
                     for m in held:
                         message, n = messages[m], len(messages[m]["texts"])
                         for j, genrm in enumerate(judges):
-                            ids = genrm.submit([message["prompt"]] * n, message["texts"], [message["row"]] * n)
+                            try:
+                                ids = genrm.submit([message["prompt"]] * n, message["texts"], [message["row"]] * n)
+                            except Exception as err:  # a template field the row lacks, say: the error policy
+                                failed[m, j] = genrm.failed(err, n)  # raises with `on_error: raise`
+                                continue
                             outstanding[j].update({rid: (m, k) for k, rid in enumerate(ids)})
                     held = []
                 for j, genrm in enumerate(judges):
@@ -294,6 +329,15 @@ class PartialColocation(Placement):
                         for rid, text in genrm.engine.poll().items():
                             m, k = outstanding[j].pop(rid)
                             texts[m][j][k] = text
+            outputs = {}
+            for m, message in enumerate(messages):
+                n = len(message["texts"])
+                for j, genrm in enumerate(judges):
+                    outputs[m, j] = failed.get((m, j)) or genrm.checked(
+                        genrm.read(texts[m][j]), [message["prompt"]] * n, message["texts"], [message["row"]] * n
+                    )
+        except StreamError:
+            raise  # the rollout rank failed and told us; it waits for nothing more
         except Exception as err:  # tell the rollout rank, which waits for scores, then fail here too
             error = (
                 err
@@ -302,14 +346,13 @@ class PartialColocation(Placement):
             )
             for req in _isend(("__error__", str(error)), source, self._group):
                 req.wait()
-            error.raised_on_every_rank = True
             raise error from err
         mine: dict[int, list[Completion]] = {}
         back: dict[str, dict[int, list[float]]] = {g.name: {} for g in judges}
         totals: dict[str, dict[str, float]] = {g.name: {} for g in judges}
         for j, genrm in enumerate(judges):
             for m, message in enumerate(messages):
-                out = genrm.read(texts[m][j])
+                out = outputs[m, j]
                 for key, value in out.metrics.items():
                     totals[genrm.name][key] = totals[genrm.name].get(key, 0.0) + value
                 if message["owner"] == rank:
@@ -384,9 +427,7 @@ class StreamError(RuntimeError):
 
 def _raise_remote(message) -> None:
     if isinstance(message, tuple) and len(message) == 2 and message[0] == "__error__":
-        error = StreamError(f"the other side of the rollout/judge stream failed: {message[1]}")
-        error.raised_on_every_rank = True
-        raise error
+        raise StreamError(f"the other side of the rollout/judge stream failed: {message[1]}")
 
 
 __all__ = ["FullColocation", "PartialColocation", "Placement"]

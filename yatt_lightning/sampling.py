@@ -39,6 +39,7 @@ class DynamicSampling:
         self.buffer: list[RolloutBatch] = []
         self.rounds = 0
         self.last: dict[str, float] = {}
+        self._next: tuple[list[RolloutBatch], int] | None = None  # the state once the step commits
 
     def informative_groups(self, rollouts: RolloutBatch) -> list[int]:
         """Groups whose rewards are not all (nearly) equal, in order of first appearance."""
@@ -50,35 +51,37 @@ class DynamicSampling:
                 keep.append(g)
         return keep
 
-    def collected(self) -> int:
-        return sum(b.num_groups for b in self.buffer)
-
-    def add(self, rollouts: RolloutBatch) -> None:
-        keep = self.informative_groups(rollouts)
-        total = rollouts.num_groups
-        if keep:
-            self.buffer.append(rollouts.select_groups(keep))
-        self.rounds += 1
-        self.last = {"sampling/kept_groups": float(len(keep)), "sampling/dropped_groups": float(total - len(keep))}
-
     def step(self, rollouts: RolloutBatch, all_reduce_min_max) -> RolloutBatch | None:
         """Add a round's scored rollouts; return the batch to train on, or None if more rounds are needed.
+        The buffer changes only at :meth:`commit` (when the step is done), so a step that fails leaves it as
+        it was.
 
         ``all_reduce_min_max(values)`` returns (min over ranks, max over ranks) of a list of floats.
         """
-        self.add(rollouts)
-        lows, highs = all_reduce_min_max([float(self.collected()), float(self.rounds)])
-        fewest, rounds = int(lows[0]), int(highs[1])
-        self.last["sampling/rounds"] = float(self.rounds)
-        if fewest < self.groups_per_update and rounds < self.max_rounds:
+        keep = self.informative_groups(rollouts)
+        buffer = self.buffer + ([rollouts.select_groups(keep)] if keep else [])
+        rounds = self.rounds + 1
+        self.last = {
+            "sampling/kept_groups": float(len(keep)),
+            "sampling/dropped_groups": float(rollouts.num_groups - len(keep)),
+            "sampling/rounds": float(rounds),
+        }
+        lows, highs = all_reduce_min_max([float(sum(b.num_groups for b in buffer)), float(rounds)])
+        fewest, most_rounds = int(lows[0]), int(highs[1])
+        if fewest < self.groups_per_update and most_rounds < self.max_rounds:
+            self._next = (buffer, rounds)
             return None
         take = min(fewest, self.groups_per_update)
         self.last["sampling/groups_trained"] = float(take)
-        batch = RolloutBatch.concat(self.buffer) if self.buffer else None
-        self.buffer, self.rounds = [], 0
+        self._next = ([], 0)
         if take == 0:
             return None  # not one informative group on some rank after max_rounds: skip this update
-        return batch.select_groups(list(range(take)))
+        return RolloutBatch.concat(buffer).select_groups(list(range(take)))
+
+    def commit(self) -> None:
+        if self._next is not None:
+            self.buffer, self.rounds = self._next
+            self._next = None
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer, "rounds": self.rounds}

@@ -1,7 +1,7 @@
 """MegatronStrategy: Megatron-Core parallel state on Lightning's process group, and the rollout engine's life.
 
 Lightning launches the processes (its subprocess launcher, torchrun or SLURM) and creates the default
-process group (gloo on CPU, NCCL on GPU). This strategy then builds Megatron's tensor / pipeline /
+process group (gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU ones). This strategy then builds Megatron's tensor / pipeline /
 data-parallel groups over it, never wraps the module in torch's DDP (which would broadcast rank 0's
 parameters over the tensor-parallel shards; Megatron's own DDP is used instead), starts the rollout
 engine on every rank at the same point, and keeps the engine's weights in step with the policy.
@@ -28,6 +28,10 @@ from yatt_lightning.placement import FullColocation, PartialColocation, Placemen
 from yatt_lightning.rollout.base import RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
+
+# On GPUs, the step's control messages (error flags, counts, prompts and scores between ranks) are CPU
+# tensors, which NCCL cannot carry: gloo carries those, NCCL the CUDA tensors of training.
+GPU_PROCESS_GROUP_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 class MegatronStrategy(DDPStrategy):
@@ -69,6 +73,8 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(
                 f"`trainer.strategy.pipeline_model_parallel_size` must be >= 1, got {pipeline_model_parallel_size}."
             )
+        if torch.cuda.is_available():
+            kwargs.setdefault("process_group_backend", GPU_PROCESS_GROUP_BACKEND)
         super().__init__(timeout=timedelta(minutes=timeout_minutes), **kwargs)
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
@@ -233,8 +239,9 @@ class MegatronStrategy(DDPStrategy):
 
     def score(self, rollouts, score_fn) -> torch.Tensor:
         """This rank's rewards (through the controller); the end of the rollout + reward phase."""
-        scores = self.controller.score(rollouts, score_fn)
-        self.placement.record_memory("reward")
+        with self.placement.scoring(self.lightning_module):
+            scores = self.controller.score(rollouts, score_fn)
+            self.placement.record_memory("reward")
         return scores
 
     def finish_scoring(self, error: BaseException | None) -> None:

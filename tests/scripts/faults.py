@@ -8,6 +8,7 @@ names (OUT_DIR/final.safetensors). ``--kill PHASE:STEP`` SIGKILLs the whole proc
 in the middle of the rollout (``rollout``), after the first of two optimizer steps (``train``), while a
 checkpoint's background writers run (``save``), or after a checkpoint's manifest is written but before
 its folder is renamed (``finalize``). ``--kill sigterm:STEP`` sends SIGTERM to rank 0 only (preemption),
+``--kill sigterm-group:STEP`` to every process of the run, checkpoint writers included (SLURM's way),
 ``--kill raise:STEP`` raises an exception in the rollout. At the end it also saves the Megatron policy's
 logits for fixed token ids (OUT_DIR/logits.pt) for the export test.
 """
@@ -40,6 +41,8 @@ class Faulty(RLHFModule):
                 die(f"during the rollout of step {KILL['step']}")
             if KILL["phase"] == "sigterm" and self.trainer.is_global_zero:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if KILL["phase"] == "sigterm-group" and self.trainer.is_global_zero:
+                os.killpg(os.getpgid(0), signal.SIGTERM)  # as SLURM does: every process of the job
             if KILL["phase"] == "raise":
                 raise ValueError(f"injected failure in the rollout of step {KILL['step']}")
         return out
@@ -62,6 +65,8 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
+        if not outputs:  # no update this step (partial rollouts: no group finished yet)
+            return
         row = {
             "step": trainer.global_step,
             "ids": [r["_id"] for r in batch],

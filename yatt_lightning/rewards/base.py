@@ -78,10 +78,20 @@ class RewardFunction:
         except RewardError:
             raise
         except Exception as err:
-            if self.on_error == "raise":
-                raise RewardError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
-            log.warning("reward function %s raised %s: %s; scoring the batch 0", self.name, type(err).__name__, err)
-            return RewardOutput([0.0] * len(completions), {f"reward/{self.name}/errors": float(len(completions))})
+            return self.failed(err, len(completions))
+        return self.checked(out, prompts, completions, rows)
+
+    def failed(self, err: Exception, n: int) -> RewardOutput:
+        """What scoring ``n`` samples gives when it raised ``err``: a :class:`RewardError` naming this
+        function (``on_error: raise``), or zeros, counted (``on_error: zero``)."""
+        if self.on_error == "raise":
+            raise RewardError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
+        log.warning("reward function %s raised %s: %s; scoring the batch 0", self.name, type(err).__name__, err)
+        return RewardOutput([0.0] * n, {f"reward/{self.name}/errors": float(n)})
+
+    def checked(self, out, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput:
+        """``score``'s output with one finite float per sample; anything else raises a :class:`RewardError`
+        naming the sample (``on_error: raise``) or scores 0, counted (``on_error: zero``)."""
         if not isinstance(out, RewardOutput):
             out = RewardOutput(list(out))
         if len(out.scores) != len(completions):
