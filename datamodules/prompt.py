@@ -36,11 +36,17 @@ def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"`data.path`: {path} does not exist.")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{where}: not UTF-8 (byte {err.start + 1} of the line); re-encode the file."
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:

@@ -43,6 +43,21 @@ def test_verify_detects_truncation_corruption_and_missing_files(tmp_path):
     assert "missing (the save did not finish)" in ckpt.verify(folder)[0]
 
 
+def test_a_garbled_manifest_is_unusable_not_a_crash(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 3)
+    for garbage in (b"\xff\xfe not utf-8", b"[1, 2]", b'{"files": {"a": 5}}'):
+        (folder / ckpt.MANIFEST).write_bytes(garbage)
+        assert "unreadable" in ckpt.verify(folder)[0]  # `--ckpt_path last` then tries the next older one
+
+
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    folder = _fake_checkpoint(tmp_path, 3)  # written by 1 process
+    with pytest.raises(ckpt.CheckpointError, match=r"written by 1 processes and this run has 2.*yatt export"):
+        ckpt.load_trainer_state(SimpleNamespace(world_size=2, global_rank=0), folder)
+
+
 def test_unfinished_saves_are_not_checkpoints(tmp_path):
     _fake_checkpoint(tmp_path, 2)
     (tmp_path / "step-00000004.tmp" / "weights").mkdir(parents=True)  # a save killed midway

@@ -23,6 +23,13 @@ def _loader(dm, replicas=1, rank=0):
     return dm.train_dataloader()
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 \(byte 16 of the line\); re-encode the file"):
+        read_jsonl(path)
+
+
 def test_jsonl_rows_keep_their_fields(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"question": "hi", "answer": "x"}\n')

@@ -87,6 +87,23 @@ def test_single_and_parallel_controllers_give_the_same_run(tmp_path):
         assert a == pytest.approx(b, abs=1e-6), tag
 
 
+def test_a_reward_error_under_the_single_controller_stops_every_rank(tmp_path):
+    """Rank 0 scores for everyone; when that fails, the others (waiting for their scores) learn of it."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "def reward(prompt, completion, **row):\n    raise ZeroDivisionError('the reward server is down')\n"
+    )
+    proc = yatt(
+        ["fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--trainer.max_steps", "2",
+         "--trainer.devices", "2", "--trainer.strategy.controller", "yatt_lightning.controller.SingleController",
+         "--model.reward_fn", "flaky_reward.reward", "--trainer.callbacks", "[]",
+         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+        cwd=tmp_path, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "reward function flaky_reward.reward raised ZeroDivisionError: the reward server is down" in proc.stderr
+    assert "another rank failed" in proc.stderr  # rank 1 stopped too, instead of waiting for its scores
+
+
 def test_load_balancer_evens_tokens_without_changing_the_update(tmp_path):
     """DP=2 with DPLoadBalancer: the imbalance (max/mean tokens per rank) drops to ~1, and because the
     loss is aggregated over all tokens of the step, the trained weights equal the unbalanced run's."""

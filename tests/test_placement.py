@@ -79,6 +79,14 @@ def test_partial_colocation_with_two_judge_ranks_per_rollout_rank(tmp_path):
     } == {64}
 
 
+def test_a_failing_judge_under_on_error_zero_scores_zero_and_counts(tmp_path):
+    out = tmp_path / "zero"
+    _run(out, PARTIAL, "--trainer.max_steps", "2", env={"JUDGE_FAILS": "1", "JUDGE_ON_ERROR": "zero"})
+    curves = read_scalars(out / "tb")
+    assert {v for _, v in curves["reward/judge/mean"]} == {0.0}
+    assert [v for _, v in curves["reward/judge/errors"]] == [128.0, 128.0]  # 2 ranks x 8 prompts x 8 samples
+
+
 def test_a_failing_judge_stops_both_ranks_with_its_error(tmp_path):
     proc = _run(tmp_path / "fail", PARTIAL, check=False, env={"JUDGE_FAILS": "1"})
     assert proc.returncode != 0

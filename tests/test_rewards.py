@@ -69,3 +69,26 @@ def test_math_answer_reward():
     assert math_answer_reward("q", "I think 8, no wait, 9", answer="8") == 0.0
     assert math_answer_reward("q", "no idea", answer="8") == 0.0
     assert math_answer_reward("q", "\\boxed{x+1}", answer="x+1") == 1.0
+
+
+def test_judge_and_reward_model_settings_are_checked_at_construction():
+    from yatt_lightning.rewards import GenerativeRewardModel, RegexParser, RewardModel
+
+    with pytest.raises(ValueError, match=r"field \{\"score\"\} is not a row field's name; write literal braces"):
+        GenerativeRewardModel("builtin:tiny-qwen2", template='{completion} as {"score": 7}')
+    with pytest.raises(ValueError, match="not a valid format string"):
+        GenerativeRewardModel("builtin:tiny-qwen2", template="{completion} {")
+    judge = GenerativeRewardModel("builtin:tiny-qwen2", template="{completion} vs {answer}")
+    with pytest.raises(ValueError, match=r"field \{answer\} is not in the row \(d.jsonl:4\)"):
+        judge.judge_prompts(["p"], ["c"], [{"_source": "d.jsonl:4"}])
+    with pytest.raises(ValueError, match="`group` 2 does not exist"):
+        RegexParser(r"score: (\d)", group=2)
+    with pytest.raises(ValueError, match="`batch_size` must be >= 1"):
+        RewardModel("builtin:tiny-qwen2", batch_size=0)
+
+
+def test_export_names_a_wrong_dtype():
+    from yatt_lightning.export import export
+
+    with pytest.raises(ValueError, match="`--dtype` must be one of float32, bfloat16, float16, got 'int8'"):
+        export("nowhere", "out", dtype="int8")

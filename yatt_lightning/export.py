@@ -24,6 +24,9 @@ _CHECKPOINT_TO_LOCAL = {
 }
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: str = "5GB") -> Path:
     """Write the policy of a checkpoint as a Hugging Face model folder.
 
@@ -35,6 +38,8 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     """
     from transformers import AutoConfig
 
+    if dtype not in (None, *EXPORT_DTYPES):
+        raise ValueError(f"`--dtype` must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
     folder = Path(ckpt_dir)
     if (folder / ckpt.TRACKER).is_file():
         folder = ckpt.tracked(folder)

@@ -49,6 +49,7 @@ def main() -> None:
     for reward in config["model"]["init_args"]["rewards"]:
         if reward["class_path"].endswith("GenerativeRewardModel"):
             reward["class_path"] = "__main__.RecordingJudge"
+            reward["init_args"]["on_error"] = os.environ.get("JUDGE_ON_ERROR", "raise")
     (OUT / "config.yaml").write_text(yaml.safe_dump(config))
     configure_logging()
     cli = YattCLI(

@@ -10,6 +10,7 @@ judge ranks of a partial colocation) is the placement's decision (:mod:`yatt_lig
 from __future__ import annotations
 
 import logging
+import string
 from typing import Literal
 
 from yatt_lightning.models.tiny import resolve_model_path
@@ -59,6 +60,19 @@ class GenerativeRewardModel(RewardFunction):
         super().__init__(weight=weight, on_error=on_error, name=name)
         if "{completion}" not in template:
             raise ValueError("GenerativeRewardModel: `template` must contain {completion}.")
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as err:
+            raise ValueError(
+                f"GenerativeRewardModel: `template` is not a valid format string ({err}); write literal braces as "
+                "{{ and }}."
+            ) from err
+        for name in fields:
+            if not name.isidentifier():
+                raise ValueError(
+                    f"GenerativeRewardModel: `template` field {{{name}}} is not a row field's name; write literal "
+                    'braces as {{ and }} (e.g. {{"score": 7}}).'
+                )
         if max_new_tokens < 1:
             raise ValueError(f"GenerativeRewardModel: `max_new_tokens` must be >= 1, got {max_new_tokens}.")
         self.model = model
@@ -107,7 +121,14 @@ class GenerativeRewardModel(RewardFunction):
     def judge_prompts(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[list[int]]:
         out = []
         for prompt, completion, row in zip(prompts, completions, rows, strict=True):
-            text = self.template.format(**{**public_fields(row), "prompt": prompt, "completion": completion})
+            fields = {**public_fields(row), "prompt": prompt, "completion": completion}
+            try:
+                text = self.template.format(**fields)
+            except KeyError as err:
+                raise ValueError(
+                    f"`template` field {{{err.args[0]}}} is not in the row ({row.get('_source', 'built-in task')}), "
+                    f"which has {sorted(fields)}"
+                ) from None
             if getattr(self.tokenizer, "chat_template", None):
                 ids = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True

@@ -53,6 +53,10 @@ class RegexParser(ScoreParser):
             self.regex = re.compile(pattern)
         except re.error as err:
             raise ValueError(f"RegexParser: `pattern` {pattern!r} is not a valid regular expression ({err}).") from err
+        if self.regex.groups and not 0 <= group <= self.regex.groups:
+            raise ValueError(
+                f"RegexParser: `group` {group} does not exist in {pattern!r}, which has {self.regex.groups} group(s)."
+            )
         self.group = group
         self.mapping = mapping
 

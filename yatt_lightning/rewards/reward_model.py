@@ -31,6 +31,9 @@ class RewardModel(RewardFunction):
         name: str = "reward_model",
     ) -> None:
         super().__init__(weight=weight, on_error=on_error, name=name)
+        for key, value in (("batch_size", batch_size), ("max_length", max_length)):
+            if value < 1:
+                raise ValueError(f"RewardModel: `{key}` must be >= 1, got {value}.")
         self.path = resolve_model_path(model, key="model.rewards.model")
         self.batch_size = batch_size
         self.max_length = max_length
