@@ -58,6 +58,20 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
         ckpt.load_trainer_state(SimpleNamespace(world_size=2, global_rank=0), folder)
 
 
+def test_a_writer_that_failed_is_reported_with_its_cause(tmp_path):
+    """The background writer of a rank could not write its files (a full disk): finalising names the
+    cause on every rank (they agree before any of them raises) and nothing is renamed or tracked."""
+    from types import SimpleNamespace
+
+    tmp = tmp_path / "step-00000005.tmp"
+    (tmp / "weights").mkdir(parents=True)
+    (tmp / "error_rank0.txt").write_text("OSError: [Errno 28] No space left on device")
+    strategy = SimpleNamespace(global_rank=0, world_size=1)
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000005 was not saved: rank 0: OSError: \[Errno 28\]"):
+        ckpt.finalize(strategy, tmp_path / "step-00000005")
+    assert not (tmp_path / "step-00000005").exists() and ckpt.tracked(tmp_path) is None
+
+
 def test_unfinished_saves_are_not_checkpoints(tmp_path):
     _fake_checkpoint(tmp_path, 2)
     (tmp_path / "step-00000004.tmp" / "weights").mkdir(parents=True)  # a save killed midway

@@ -17,6 +17,7 @@ next save. Loading verifies sizes of all files on every rank and checksums of a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -119,18 +120,26 @@ def finalize(strategy, final: Path) -> None:
     tmp = final.with_name(final.name + ".tmp")
     rank, world = strategy.global_rank, strategy.world_size
     partial_manifest = tmp / f"manifest_rank{rank}.json"
-    entries = json.loads(partial_manifest.read_text())
-    partial_manifest.unlink()
-    if rank == 0:  # files written once, by rank 0, in Megatron's finalisation or before the save
-        shared = [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
-        entries.update({str(p.relative_to(tmp)): _describe(p) for p in shared})
+    try:
+        entries, problem = json.loads(partial_manifest.read_text()), None
+        partial_manifest.unlink()
+        if rank == 0:  # files written once, by rank 0, in Megatron's finalisation or before the save
+            shared = [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
+            entries.update({str(p.relative_to(tmp)): _describe(p) for p in shared})
+    except (OSError, ValueError) as err:  # every rank must hear of it: the others wait in the gather below
+        error_file = tmp / f"error_rank{rank}.txt"
+        cause = error_file.read_text() if error_file.is_file() else f"{type(err).__name__}: {err}"
+        entries, problem = {}, f"rank {rank}: {cause}"
     gathered = [None] * world
     if world > 1:
-        torch.distributed.all_gather_object(gathered, entries)
+        torch.distributed.all_gather_object(gathered, (entries, problem))
     else:
-        gathered = [entries]
+        gathered = [(entries, problem)]
+    problems = [p for _, p in gathered if p]
+    if problems:
+        raise CheckpointError(f"the checkpoint of {final.name} was not saved: {'; '.join(problems)}")
     if rank == 0:
-        files = {k: v for part in gathered for k, v in part.items()}
+        files = {k: v for part, _ in gathered for k, v in part.items()}
         manifest = {"format": 1, "world_size": world, "files": files}
         for directory in (tmp / WEIGHTS, tmp / "hf", tmp):
             _fsync_dir(directory)  # the files' names are durable before the manifest lists them
@@ -149,16 +158,22 @@ def finalize(strategy, final: Path) -> None:
 
 
 def _write_and_describe(write, tmp: Path, rank: int, state_bytes: bytes, *args, **kwargs) -> None:
-    """Write this rank's trainer state, run Megatron's writer (if this rank has shards to write), then
-    record this rank's files with sizes and checksums in ``manifest_rank<r>.json``. Runs in the
-    background process when the save is asynchronous."""
-    _write_durable(trainer_state_file(tmp, rank), state_bytes)
+    """Run Megatron's writer (if this rank has shards to write; it reports its own errors), write this
+    rank's trainer state, then record this rank's files with sizes and checksums in
+    ``manifest_rank<r>.json``. Runs in the background process when the save is asynchronous. A failure
+    of our part leaves ``error_rank<r>.txt`` (when the disk lets it) for :func:`finalize` to report."""
     if write is not None:
         write(*args, **kwargs)
-    files = [trainer_state_file(tmp, rank), *sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))]
-    entries = {str(p.relative_to(tmp)): _describe(p) for p in files}  # each file fsynced as it is read
-    _fsync_dir(tmp / WEIGHTS)
-    _write_durable(tmp / f"manifest_rank{rank}.json", json.dumps(entries).encode())
+    try:
+        _write_durable(trainer_state_file(tmp, rank), state_bytes)
+        files = [trainer_state_file(tmp, rank), *sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))]
+        entries = {str(p.relative_to(tmp)): _describe(p) for p in files}  # each file fsynced as it is read
+        _fsync_dir(tmp / WEIGHTS)
+        _write_durable(tmp / f"manifest_rank{rank}.json", json.dumps(entries).encode())
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            _write_durable(tmp / f"error_rank{rank}.txt", f"{type(err).__name__}: {err}".encode())
+        raise
 
 
 def _shared_file(path: Path, root: Path) -> bool:
