@@ -142,8 +142,6 @@ class AsyncCheckpoint(Callback):
         if self.save_at_end and trainer.global_step != self._scheduled_step:
             self.save(trainer)
         self._finalize(trainer, blocking=True)
-        if self.save_at_end and trainer.global_step != self._last_saved_step:
-            raise ckpt.CheckpointError(f"the final save of step {trainer.global_step} did not complete")
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:

@@ -82,14 +82,10 @@ class ParallelController(Controller):
             return score_fn(*local)
         head = torch.distributed.get_process_group_ranks(group)[0]
         is_head = torch.distributed.get_rank() == head
-        error = None
         scores = torch.empty(len(rollouts))
-        if is_head:
-            try:
+        with self.strategy.fail_together():  # every rank must hear of a failure before the broadcast below
+            if is_head:
                 scores = score_fn(*local).float()
-            except Exception as err:  # every rank must hear of it before the broadcast below
-                error = err
-        self.strategy.raise_if_any_rank_failed(error)
         torch.distributed.broadcast(scores, src=head, group=group)
         if not is_head:
             self.bytes_received += scores.numel() * scores.element_size()
@@ -128,13 +124,10 @@ class SingleController(Controller):
     def score(self, rollouts, score_fn):
         # The driver scores everything: it needs every sample's completion and row.
         gathered = self._gather((rollouts.prompts, rollouts.completions, rollouts.rows))
-        parts, error = None, None
-        if gathered is not None:
-            try:
+        parts = None
+        with self.strategy.fail_together():  # the other ranks wait in the scatter below: tell them first
+            if gathered is not None:
                 parts = [score_fn(*part) for part in gathered]
-            except Exception as err:  # the other ranks wait in the scatter below: tell them first
-                error = err
-        self.strategy.raise_if_any_rank_failed(error)
         return self._scatter(parts)
 
     def engine_batch_scale(self) -> int:

@@ -331,13 +331,8 @@ class RLHFModule(pl.LightningModule):
     def tokenize_batch(self, batch: list[dict]) -> list[list[int]]:
         """Prompt token ids of this rank's rows. Collective: a prompt that fails to tokenize (too long, say)
         on one rank raises on every rank, before any rank enters the rollout's collectives."""
-        error, ids = None, []
-        try:
-            ids = [self.tokenize_prompt(row) for row in batch]
-        except Exception as err:
-            error = err
-        self.trainer.strategy.raise_if_any_rank_failed(error)
-        return ids
+        with self.trainer.strategy.fail_together():
+            return [self.tokenize_prompt(row) for row in batch]
 
     # ------------------------------------------------------------------ hooks
     def tokenize_prompt(self, row: dict) -> list[int]:

@@ -250,8 +250,7 @@ class PartialColocation(Placement):
                         break
         except Exception as err:  # the judges wait for the stream's end: tell them, then fail here too
             for judge in judges:
-                for req in _isend(("__error__", f"{type(err).__name__}: {err}"), judge, self._group):
-                    req.wait()
+                _send_error(f"{type(err).__name__}: {err}", judge, self._group)
             raise
         for judge in judges:
             sends += _isend(None, judge, self._group)  # end of stream
@@ -344,8 +343,7 @@ class PartialColocation(Placement):
                 if isinstance(err, RewardError)
                 else RewardError(f"reward function {judges[0].name} raised {type(err).__name__}: {err}")
             )
-            for req in _isend(("__error__", str(error)), source, self._group):
-                req.wait()
+            _send_error(str(error), source, self._group)
             raise error from err
         mine: dict[int, list[Completion]] = {}
         back: dict[str, dict[int, list[float]]] = {g.name: {} for g in judges}
@@ -423,6 +421,12 @@ class _PendingRecv:
 
 class StreamError(RuntimeError):
     """The rank on the other end of a rollout/judge stream failed."""
+
+
+def _send_error(text: str, dst: int, group) -> None:
+    """Tell the other side of the stream that this side failed (:func:`_raise_remote` raises it there)."""
+    for req in _isend(("__error__", text), dst, group):
+        req.wait()
 
 
 def _raise_remote(message) -> None:

@@ -261,6 +261,17 @@ class MegatronStrategy(DDPStrategy):
         return low.tolist(), high.tolist()
 
     # ------------------------------------------------------------------ failures on one rank
+    @contextlib.contextmanager
+    def fail_together(self) -> Iterator[None]:
+        """Collective: run the block on this rank, then raise on every rank if it raised on any (before the
+        collectives that follow, which the failed rank would never reach)."""
+        error = None
+        try:
+            yield
+        except Exception as err:
+            error = err
+        self.raise_if_any_rank_failed(error)
+
     def raise_if_any_rank_failed(self, error: BaseException | None) -> None:
         """Collective: if any rank hit an error, raise on every rank (so none waits forever in a collective)."""
         flag = torch.tensor([0.0 if error is None else 1.0])
