@@ -33,3 +33,12 @@ def all_reduce_max(values: list[float]) -> list[float]:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t.tolist()
+
+
+def pop_smoke(argv: list[str]) -> bool:
+    """Remove ``--smoke`` from ``argv`` (in place); True if it was there. Every bench has a smoke size that a
+    test runs (tests/test_benches.py), so that none can rot."""
+    if "--smoke" in argv:
+        argv.remove("--smoke")
+        return True
+    return False

@@ -1,16 +1,22 @@
-"""Does DPLoadBalancer shorten the training phase when response lengths are long-tailed?
+"""Does DPLoadBalancer even out what each data-parallel rank trains, and shorten the training phase?
 
 Two data-parallel processes train the tiny model on synthetic rollouts whose lengths are long-tailed:
 each prompt draws a scale from a lognormal (median 16 tokens, about 1 prompt in 100 ten times the
 median), and its samples vary around it, so a rank that draws a long prompt holds many long sequences,
-as with real reasoning prompts. Steps alternate between balancing and not, in pairs that train on
-identical lengths, so both arms see the same data and the same machine state in one run. Both arms
-cap micro-batches by tokens; only the partition across ranks differs.
+as with real reasoning prompts. Steps come in pairs that train on identical lengths, one step balanced
+and one not; the order inside a pair alternates A B, B A, A B, ... (ABBA), so drifts of a shared machine
+land on both arms. Both arms cap micro-batches by tokens; only the partition across ranks differs.
 
-    python bench/dp_balance.py [--trainer.max_steps 22]
+What is measured is what each rank actually did: the padded tokens (samples x longest sequence of each
+micro-batch) it forwarded and backwarded in the update, after the exchange, and its own training-phase
+wall time. Imbalance = max over ranks / mean over ranks of those padded tokens. A step's training phase
+lasts as long as its slowest rank's (the gradient all-reduce waits for it); the speedup of a pair is
+unbalanced / balanced slowest-rank time, and the figure is the median over pairs.
+
+    python bench/dp_balance.py [--smoke] [--trainer.max_steps 42]
 
 Last line: ``imbalance_before=<x> imbalance_after=<y> train_phase_speedup=<z>``; targets: after <= 1.05
-and speedup > 1 (mean training-phase time without balancing / with).
+and speedup > 1.
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ from lightning.pytorch import Callback
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.module import RLHFModule
 
-WARMUP = 2
+WARMUP = 2  # steps (one pair) not measured
 
 
 class LongTailRollouts(RLHFModule):
     """Completions with group-correlated lognormal lengths; a step pair (2k, 2k+1) repeats the same lengths."""
 
+    padded_tokens = 0  # this step's training micro-batches, on this rank
+
     def rollout(self, batch):
         n = self.sampling.n
         pair = self.trainer.global_step // 2
+        self.padded_tokens = 0
         prompt_ids = [self.tokenize_prompt(row) for row in batch]
         completions = []
         for row in batch:
@@ -53,53 +62,86 @@ class LongTailRollouts(RLHFModule):
             finish_reasons=["length"] * len(completions),
         )
 
-    def score_samples(self, prompts, completions, rows):
-        return torch.rand(len(completions), generator=torch.Generator().manual_seed(self.trainer.global_step))
+    def reward(self, rollouts):
+        return torch.rand(len(rollouts), generator=torch.Generator().manual_seed(self.trainer.global_step))
+
+    def microbatches(self, rollouts, indices):
+        mbs = super().microbatches(rollouts, indices)
+        self.padded_tokens += sum(mb["input_ids"].numel() for mb in mbs)
+        return mbs
+
+
+def balanced_in_step(step: int) -> bool:
+    """ABBA: pair k = steps (2k, 2k+1); even pairs run unbalanced first, odd pairs balanced first."""
+    pair, second = divmod(step, 2)
+    return bool(second) != bool(pair % 2)
 
 
 class Alternate(Callback):
-    """Balance on odd steps only, and record each step's training-phase time and imbalance."""
+    """Balance by the ABBA schedule; record what every rank trained and how long its training phase took."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[bool, float, float, float]] = []
+        self.records: list[dict] = []  # per measured step (rank 0 only)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        module.balancer.enabled = batch_idx % 2 == 1
+        module.balancer.enabled = balanced_in_step(trainer.global_step)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if batch_idx >= WARMUP:
-            b = module.balancer
-            self.records.append((b.enabled, module.phase_times["train"], b.last["balance/imbalance_before"],
-                                 b.last["balance/imbalance_after"]))  # fmt: skip
+        step = trainer.global_step - 1  # the step that just ended
+        mine = torch.tensor([float(module.padded_tokens), module.phase_times["train"]], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(trainer.world_size)]
+        torch.distributed.all_gather(every, mine)
+        if step >= WARMUP and trainer.is_global_zero:
+            tokens = [float(t[0]) for t in every]
+            self.records.append({
+                "step": step, "balanced": module.balancer.enabled, "tokens": tokens,
+                "train_s": [float(t[1]) for t in every],
+                "imbalance": max(tokens) / statistics.mean(tokens),
+                "sequence_imbalance_before": module.balancer.last["balance/imbalance_before"],
+            })  # fmt: skip
+
+
+def pair_speedups(records: list[dict]) -> list[float]:
+    """Unbalanced / balanced slowest-rank training time, per pair of steps on identical lengths."""
+    by_pair: dict[int, dict[bool, float]] = {}
+    for r in records:
+        by_pair.setdefault(r["step"] // 2, {})[r["balanced"]] = max(r["train_s"])
+    return [p[False] / p[True] for p in by_pair.values() if len(p) == 2]
 
 
 def main() -> None:
-    from _common import build_cli
+    from _common import build_cli, pop_smoke
 
+    argv = sys.argv[1:]
+    smoke = pop_smoke(argv)
+    size = ["--trainer.max_steps", "6", "--data.batch_size", "4"] if smoke else ["--trainer.max_steps", "42"]
     cli = build_cli(
-        ["--model.class_path", "__main__.LongTailRollouts", "--trainer.devices", "2", "--trainer.max_steps", "22",
-         "--data.batch_size", "8", "--model.sampling.max_new_tokens", "200", "--model.max_prompt_tokens", "16",
+        ["--model.class_path", "__main__.LongTailRollouts", "--trainer.devices", "2", "--data.batch_size", "8",
+         "--model.sampling.max_new_tokens", "200", "--model.max_prompt_tokens", "16",
          "--trainer.callbacks+=yatt_lightning.callbacks.DPLoadBalancer",
-         "--trainer.callbacks.max_tokens_per_micro_batch", "2048", *sys.argv[1:]]
+         "--trainer.callbacks.max_tokens_per_micro_batch", "2048", *size, *argv]
     )  # fmt: skip
     alt = Alternate()
     cli.trainer.callbacks.append(alt)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if not cli.trainer.is_global_zero:
         return
-    off = [r for r in alt.records if not r[0]]
-    on = [r for r in alt.records if r[0]]
-    print(f"{'':<14}{'steps':>6}{'train phase s':>15}{'imbalance':>11}")
-    print(
-        f"{'unbalanced':<14}{len(off):>6}{statistics.mean(r[1] for r in off):>15.3f}{statistics.mean(r[2] for r in off):>11.3f}"
-    )
-    print(
-        f"{'balanced':<14}{len(on):>6}{statistics.mean(r[1] for r in on):>15.3f}{statistics.mean(r[3] for r in on):>11.3f}"
-    )
-    before = statistics.mean(r[2] for r in alt.records)
-    after = statistics.mean(r[3] for r in on)
-    speedup = statistics.mean(r[1] for r in off) / statistics.mean(r[1] for r in on)
-    print(f"imbalance_before={before:.3f} imbalance_after={after:.3f} train_phase_speedup={speedup:.3f}", flush=True)
+    print(f"{'step':>5}{'arm':>12}{'padded tokens per rank':>26}{'imbalance':>11}{'train s per rank':>20}")
+    for r in alt.records:
+        arm = "balanced" if r["balanced"] else "unbalanced"
+        tokens = " ".join(f"{t:>8.0f}" for t in r["tokens"])
+        times = " ".join(f"{t:>6.3f}" for t in r["train_s"])
+        print(f"{r['step']:>5}{arm:>12}{tokens:>26}{r['imbalance']:>11.3f}{times:>20}")
+    off = [r for r in alt.records if not r["balanced"]]
+    on = [r for r in alt.records if r["balanced"]]
+    speedups = pair_speedups(alt.records)
+    print(f"unbalanced: slowest rank's train phase {statistics.mean(max(r['train_s']) for r in off):.3f} s mean; "
+          f"balanced: {statistics.mean(max(r['train_s']) for r in on):.3f} s; pair speedups "
+          + " ".join(f"{x:.2f}" for x in speedups))  # fmt: skip
+    before = statistics.mean(r["imbalance"] for r in off)
+    after = statistics.mean(r["imbalance"] for r in on)
+    print(f"imbalance_before={before:.3f} imbalance_after={after:.3f} "
+          f"train_phase_speedup={statistics.median(speedups):.3f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

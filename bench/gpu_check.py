@@ -6,75 +6,99 @@ through Megatron's schedule, steps Megatron's optimizer and exports the weights 
 names. The vLLM engine is not exercised here (its CUDA wheel is too large to carry to the test machine).
 
 Last line: ``gpu_check=ok max_logit_diff=<x> grad_norm=<y> step_ms=<z>`` (or a traceback).
+
+``--smoke`` runs the same steps on CPU (gloo, fp32, with the CPU compatibility layer), one process,
+no torchrun needed: it keeps the script from rotting between GPU runs and proves nothing about CUDA.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import time
 
 import torch
 
 
-def main() -> None:
-    assert torch.cuda.is_available(), "gpu_check needs a CUDA device"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    from yatt_lightning.strategy import GPU_PROCESS_GROUP_BACKEND
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    torch.distributed.init_process_group(GPU_PROCESS_GROUP_BACKEND)  # what MegatronStrategy uses on GPUs
-    for device in ("cpu", "cuda"):  # control messages are CPU tensors, training's are CUDA tensors
-        probe = torch.ones(1, device=device)
+
+def main() -> None:
+    smoke = "--smoke" in sys.argv[1:]
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    if smoke:
+        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():  # fmt: skip
+            os.environ.setdefault(key, value)
+        torch.distributed.init_process_group("gloo")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("gpu_check needs a CUDA device (or --smoke, which runs the same steps on CPU)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from yatt_lightning.strategy import GPU_PROCESS_GROUP_BACKEND
+
+        torch.distributed.init_process_group(GPU_PROCESS_GROUP_BACKEND)  # what MegatronStrategy uses on GPUs
+    for device_ in {"cpu", device}:  # control messages are CPU tensors, training's are CUDA tensors
+        probe = torch.ones(1, device=device_)
         torch.distributed.all_reduce(probe)
-        assert probe.item() == torch.distributed.get_world_size(), device
+        assert probe.item() == torch.distributed.get_world_size(), device_
     from megatron.core import parallel_state as ps
 
-    from yatt_lightning.models.cpu import cpu_mode
+    from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
     from yatt_lightning.models.logprobs import token_logprobs
     from yatt_lightning.models.policy import MegatronPolicy
     from yatt_lightning.models.tiny import build_tiny_qwen2
     from yatt_lightning.optim import OptimizerSettings
 
-    assert not cpu_mode(), "the CPU compatibility layer must be inactive on a GPU machine"
-    ps.initialize_model_parallel(1, 1)
+    if cpu_mode() != smoke:
+        sys.exit("the CPU compatibility layer must be inactive on a GPU machine (and active in --smoke on CPU)")
+    with megatron_cpu_context():
+        ps.initialize_model_parallel(1, 1)
     path = build_tiny_qwen2()
-    policy = MegatronPolicy(path, params_dtype=torch.bfloat16, optimizer=OptimizerSettings(lr=1e-4))
-    assert next(policy.local_module().parameters()).is_cuda
+    policy = MegatronPolicy(path, params_dtype=dtype, optimizer=OptimizerSettings(lr=1e-4))
+    assert next(policy.local_module().parameters()).device.type == device
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
-    ids = torch.randint(0, 290, (4, 32), device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    ids = torch.randint(0, 290, (4, 32), device=device)
     seen = []
 
     def keep(mb, logits):
         seen.append(logits.detach().float())
-        return torch.zeros((), device="cuda"), torch.tensor(1, device="cuda"), {}
+        return torch.zeros((), device=device), torch.tensor(1, device=device), {}
 
     policy.forward_backward([{"input_ids": ids}], keep, forward_only=True)
     with torch.no_grad():
         ref = hf(ids).logits.float()
     max_logit_diff = (seen[0] - ref).abs().max().item()
 
-    adv = torch.randn(4, 1, device="cuda")
+    adv = torch.randn(4, 1, device=device)
 
     def grpo_like(mb, logits):
         lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:])
         ratio = torch.exp(lp - lp.detach())
         loss = -(ratio * adv).sum()
-        return loss, torch.tensor(lp.numel(), device="cuda", dtype=torch.int), {}
+        return loss, torch.tensor(lp.numel(), device=device, dtype=torch.int), {}
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     policy.zero_grad_buffers()
     policy.forward_backward([{"input_ids": ids}, {"input_ids": ids.flip(0)}], grpo_like, forward_only=False)
     applied, grad_norm = policy.optimizer_step(0)
-    torch.cuda.synchronize()
+    sync()
     step_ms = (time.perf_counter() - t0) * 1000
     exported = dict(policy.export_hf())
     assert applied and len(exported) == len(hf.state_dict()), (applied, len(exported))
     if torch.distributed.get_rank() == 0:
-        print(f"device: {torch.cuda.get_device_name()}; megatron params: {policy.num_parameters()}")
+        name = torch.cuda.get_device_name() if device == "cuda" else "CPU (--smoke)"
+        print(f"device: {name}; megatron params: {policy.num_parameters()}")
         print(f"gpu_check=ok max_logit_diff={max_logit_diff:.3e} grad_norm={grad_norm:.3e} step_ms={step_ms:.1f}")
     torch.distributed.destroy_process_group()
 

@@ -15,7 +15,7 @@ idle fraction of that phase (waiting for work or for the other process), and the
 process's phase into rollout / weight sync / reward.
 
     python bench/placement.py [--steps 6] [--judge-tokens 96] [--judge-model builtin:small-qwen2]
-        [--prompts 8] [--median 16 --sigma 1 --cap 160] [--min-judge-batch N] [--repeats 3]
+        [--prompts 8] [--median 16 --sigma 1 --cap 160] [--min-judge-batch N] [--repeats 3] [--smoke]
 
 ``--judge-tokens`` bounds the judge's prompt (question and the end of the answer), i.e. the cost of a
 judgment relative to generating the answer. Partial colocation can only win by hiding judging behind the
@@ -134,7 +134,10 @@ def main() -> None:
     p.add_argument("--min-judge-batch", type=int, default=None, help="PartialColocation's (default: its own)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved full/partial pairs")
     p.add_argument("--child", nargs=2)
+    p.add_argument("--smoke", action="store_true", help="1 pair of 1 step, 2 prompts, the tiny judge")
     args = p.parse_args()
+    if args.smoke:
+        args.steps, args.repeats, args.prompts, args.cap, args.judge_model = 1, 1, 2, 32, "builtin:tiny-qwen2"
     if args.child:
         _child(Path(args.child[0]), args.child[1])
         return

@@ -5,7 +5,9 @@ completions and scores the sampled tokens with the Megatron policy. In fp32 on C
 must agree (< 1e-3). For contrast it loads the *initial* weights into the engine (what a missed push
 would leave) and repeats: that difference is large.
 
-    python bench/rollout_consistency.py [--trainer.max_steps 5] [--trainer.devices 2 ...]
+    python bench/rollout_consistency.py [--smoke] [--trainer.max_steps 5] [--trainer.devices 2 ...]
+
+``--smoke``: 2 training steps.
 
 Last line: ``max_abs_logprob_diff=<float>``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from _common import all_reduce_max, build_cli
+from _common import all_reduce_max, build_cli, pop_smoke
 from lightning.pytorch import Callback
 
 
@@ -40,7 +42,9 @@ class ConsistencyProbe(Callback):
 
 
 def main() -> None:
-    cli = build_cli(["--trainer.max_steps", "5", *sys.argv[1:]])
+    argv = sys.argv[1:]
+    steps = "2" if pop_smoke(argv) else "5"
+    cli = build_cli(["--trainer.max_steps", steps, *argv])
     probe = ConsistencyProbe()
     cli.trainer.callbacks.append(probe)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

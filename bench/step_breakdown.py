@@ -4,7 +4,9 @@ Runs the tiny config for a few steps and prints each phase's share of the step (
 reward, train, and the rest of the loop as other; the first two steps are warm-up and not counted) and every rank's peak resident memory
 (the vLLM engine lives in the same process, so this is the whole footprint).
 
-    python bench/step_breakdown.py [--trainer.devices 2] [--trainer.max_steps 20]
+    python bench/step_breakdown.py [--smoke] [--trainer.devices 2] [--trainer.max_steps 20]
+
+``--smoke``: 4 steps (2 measured).
 
 Last line: ``rollout=<share> sync=<share> reward=<share> train=<share> other=<share> peak_rss_gb_max=<GB>``.
 """
@@ -16,7 +18,7 @@ import sys
 import time
 
 import torch
-from _common import build_cli
+from _common import build_cli, pop_smoke
 from lightning.pytorch import Callback
 
 PHASES = ("rollout", "sync", "reward", "train")
@@ -51,7 +53,9 @@ class PhaseRecorder(Callback):
 
 
 def main() -> None:
-    cli = build_cli(["--trainer.max_steps", "20", *sys.argv[1:]])
+    argv = sys.argv[1:]
+    steps = str(WARMUP + 2) if pop_smoke(argv) else "20"
+    cli = build_cli(["--trainer.max_steps", steps, *argv])
     rec = PhaseRecorder()
     cli.trainer.callbacks.append(rec)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

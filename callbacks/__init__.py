@@ -1,4 +1,5 @@
 from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
 from yatt_lightning.callbacks.dp_balance import DPLoadBalancer
+from yatt_lightning.callbacks.run_console import RunConsole
 
-__all__ = ["AsyncCheckpoint", "DPLoadBalancer"]
+__all__ = ["AsyncCheckpoint", "DPLoadBalancer", "RunConsole"]

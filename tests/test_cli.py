@@ -1,6 +1,7 @@
 """Tier 3: `yatt fit` end to end through the real CLI on the tiny model (real vLLM, Megatron, TensorBoard)."""
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -65,15 +66,34 @@ def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
+THIRD_PARTY = re.compile(r"warn|WARNING|\(MainProcess|NUMA|Apex|Triton|LD_PRELOAD|Tip:|set_vital|it/s|Loading|Epoch|v_num", re.I)
+
+
 @pytest.mark.slow
 def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
-    yatt(
+    """A first run as a user sees it: yatt's own lines, the progress lines and a summary on the terminal,
+    the libraries' chatter in the run's output.log, and everything under `--trainer.default_root_dir`."""
+    root = tmp_path / "elsewhere"
+    proc = yatt(
         ["fit", "--config", TINY, "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "true",
          "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "2",
-         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+         "--trainer.default_root_dir", str(root)],
         cwd=tmp_path, timeout=600,
     )  # fmt: skip
-    log_dir = tmp_path / "runs" / "grpo_tiny"
+    lines = (proc.stderr + proc.stdout).splitlines()
+    assert [line for line in lines if THIRD_PARTY.search(line)] == []
+    before_bar = next(i for i, line in enumerate(lines) if line.startswith("[yatt] step "))
+    assert before_bar <= 15, lines[:before_bar]
+    assert "[yatt] step 4/4  reward " in proc.stdout + proc.stderr
+    summary = proc.stderr[proc.stderr.index("[yatt] done: 4 steps") :]
+    for part in ("mean reward:", f"tensorboard --logdir {root / 'grpo_tiny'}", f"checkpoints: {root / 'grpo_tiny' / 'checkpoints'}",
+                 "--trainer.max_steps 4", "--ckpt_path last", f"yatt export --ckpt_dir {root / 'grpo_tiny' / 'checkpoints'}"):  # fmt: skip
+        assert part in summary, (part, summary)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"], "the run wrote outside default_root_dir"
+    log_dir = root / "grpo_tiny"
+    version = log_dir / "version_0"
+    assert "LD_PRELOAD" in (version / "output.log").read_text()  # vLLM's advice, kept in the run's log
+    assert (version / "config.yaml").is_file()
     scalars = read_scalars(log_dir)
     for tag in ("reward/mean", "reward/std", "actor/pg_loss", "actor/kl", "actor/clip_fraction", "actor/entropy",
                 "response_length/mean", "perf/rollout_tokens_per_s", "time/rollout", "time/reward", "time/train",

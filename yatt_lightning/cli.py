@@ -9,6 +9,7 @@ and callbacks is a config key with its docstring in ``--help``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # Before torch (and vLLM) are imported: one thread per process (two threads per process on a loaded
 # 2-core machine made steps 3-10x slower), offline Hugging Face, vLLM in-process.
@@ -27,9 +28,11 @@ set_vllm_env()
 
 import torch  # noqa: E402
 from jsonargparse import lazy_instance  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
+from yatt_lightning import console  # noqa: E402
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
 from yatt_lightning.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402
@@ -39,7 +42,10 @@ from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
 class YattCLI(LightningCLI):
     """LightningCLI with yatt-lightning's defaults (strategy, logger, checkpointing, data sharding)."""
 
-    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+    def __init__(self, args: list[str] | None = None, run: bool = True, console: bool | None = None) -> None:
+        """``console``: add :class:`~yatt_lightning.callbacks.RunConsole` (the progress bar, the summary, library
+        output into the run's ``output.log``) unless the config has a progress bar; default: when ``run``."""
+        self.add_console = run if console is None else console
         super().__init__(
             RLHFModule,
             PromptDataModule,
@@ -50,15 +56,37 @@ class YattCLI(LightningCLI):
                 "accelerator": "auto",
                 "devices": 1,
                 "use_distributed_sampler": False,  # PromptDataModule shards by data-parallel rank itself
-                "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="yatt"),
+                "default_root_dir": "runs",  # logs, checkpoints and the saved config go under it
+                "logger": lazy_instance(TensorBoardLogger, save_dir="", name="yatt"),
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
+                "enable_model_summary": False,  # RunConsole names the parameter count in one line
             },
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,
         )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        _loggers_default_to_root_dir(config.trainer)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's, plus :class:`~yatt_lightning.callbacks.RunConsole` as the progress bar when the config
+        names none (and does not turn the bar off)."""
+        from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+        from yatt_lightning.callbacks.run_console import RunConsole
+
+        extra = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        has_bar = any(isinstance(c, ProgressBar) for c in [*callbacks, *extra])
+        if self.add_console and not has_bar and config.get("enable_progress_bar") is not False:
+            extra.append(RunConsole())
+        return self._instantiate_trainer(config, extra)
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the ``latest`` tracker of the AsyncCheckpoint folder; the strategy loads the
@@ -88,6 +116,16 @@ class YattCLI(LightningCLI):
         check_layout(self.model, self.trainer)
 
 
+def _loggers_default_to_root_dir(trainer) -> None:
+    """A logger whose ``save_dir`` is empty writes under ``trainer.default_root_dir``, so that
+    ``--trainer.default_root_dir`` moves everything a run writes (logs, checkpoints, the saved config)."""
+    loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
+    for logger in loggers:
+        init_args = getattr(logger, "init_args", None)
+        if init_args is not None and "save_dir" in init_args and not init_args.save_dir:
+            init_args.save_dir = str(trainer.default_root_dir or ".")
+
+
 def check_layout(model: RLHFModule, trainer) -> None:
     """Fail before any process is launched when the parallel layout cannot split the model."""
     strategy = trainer.strategy
@@ -114,6 +152,9 @@ def main(args: list[str] | None = None) -> None:
     import sys
 
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["fit"] and "--verbose" in argv:  # every library's output on the terminal (RunConsole)
+        argv = [a for a in argv if a != "--verbose"]
+        os.environ[console.VERBOSE_ENV] = "1"  # the other ranks, launched with this environment, too
     configure_logging()
     if argv[:1] == ["export"]:
         from yatt_lightning.export import main as export_main

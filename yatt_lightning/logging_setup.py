@@ -43,3 +43,16 @@ def quiet_third_party() -> None:
         logging.getLogger(name).addFilter(
             _DropMessages("GPU available: False", "TPU available", "HPU available", "LOCAL_RANK")
         )
+    from yatt_lightning import console
+
+    if console.verbose():
+        return
+    # Printed before RunConsole moves the libraries' output into the run's output.log: Lightning's start-up
+    # notes and a tqdm bar of transformers' save_pretrained (building the tiny model the first time).
+    chatter = _DropMessages("Seed set to", "Initializing distributed:", "distributed_backend=", "Tip:")
+    for name in ("lightning.fabric.utilities.seed", "lightning.fabric.utilities.distributed",
+                 "lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):  # fmt: skip
+        logging.getLogger(name).addFilter(chatter)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

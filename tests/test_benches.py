@@ -1,0 +1,68 @@
+"""Every bench runs at its smoke size, so that none can rot (tier 3: real runs, seconds to a minute each).
+
+Each ``bench/*.py`` takes ``--smoke`` and prints its figure as its last line, in the format that
+``bench/RESULTS.md`` quotes. A bench whose smoke size another test already runs names that test here.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.helpers import REPO, run
+
+BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+
+LAST_LINE = {
+    "async_ckpt.py": r"stall_ratio=(?P<stall_ratio>[\d.]+)",
+    "controller_scaling.py": r"rank0_data_bytes_ratio=(?P<data>\S+) rank0_total_bytes_ratio=(?P<total>\S+)",
+    "dp_balance.py": r"imbalance_before=(?P<before>\S+) imbalance_after=(?P<after>\S+) train_phase_speedup=(?P<speedup>\S+)",
+    "gpu_check.py": r"gpu_check=ok max_logit_diff=(?P<logit_diff>\S+) grad_norm=(?P<grad_norm>\S+) step_ms=\S+",
+    "kill_resume.py": r"kills=(?P<kills>\d+) resumed=(?P<resumed>\d+) lost_saved_steps=(?P<lost>\d+) "
+    r"corrupt_loaded=(?P<corrupt>\d+) bitwise_equal_final=(?P<bitwise>\d)",
+    "learning.py": r"learning_min_margin=(?P<margin>\S+)",
+    "placement.py": r"partial_over_full=(?P<ratio>\S+)",
+    "step_breakdown.py": r"rollout=\S+ sync=\S+ reward=\S+ train=(?P<train>\S+) other=\S+ peak_rss_gb_max=(?P<rss>\S+)",
+}
+# Benches whose smoke size another test runs (with stronger assertions than a smoke test makes).
+RUN_ELSEWHERE = {
+    "rollout_consistency.py": "tests/test_parallel.py::test_layout_trains_and_engine_matches_policy (TP=2, PP=2, DP=2)",
+}
+
+
+def check(name: str, figures: dict[str, float]) -> None:
+    """What must hold even at the smoke size (the full size's targets are in bench/RESULTS.md)."""
+    f = figures
+    if name == "async_ckpt.py":
+        assert f["stall_ratio"] >= 0
+    elif name == "controller_scaling.py":
+        assert f["data"] < 0.3 and 0 < f["total"] <= 1
+    elif name == "dp_balance.py":
+        assert f["after"] <= 1.1 and f["after"] < f["before"] and f["speedup"] > 0
+    elif name == "gpu_check.py":
+        assert f["logit_diff"] < 1e-4 and f["grad_norm"] > 0
+    elif name == "kill_resume.py":
+        assert f["kills"] >= 2 and f["resumed"] == f["kills"]
+        assert f["lost"] == f["corrupt"] == 0 and f["bitwise"] == 1
+    elif name == "learning.py":
+        assert f["margin"] > 0  # a deterministic run: 12 steps already raise the reward
+    elif name == "placement.py":
+        assert f["ratio"] > 0
+    elif name == "step_breakdown.py":
+        assert 0 < f["train"] < 1 and f["rss"] < 3
+
+
+def test_every_bench_has_a_smoke_test():
+    assert sorted([*LAST_LINE, *RUN_ELSEWHERE]) == BENCHES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAST_LINE))
+def test_bench_runs_at_its_smoke_size(name, tmp_path):
+    proc = run([sys.executable, str(REPO / "bench" / name), "--smoke"], cwd=tmp_path, timeout=400)
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(LAST_LINE[name], last)
+    assert m, f"{name}: last line {last!r} is not in the format bench/RESULTS.md quotes"
+    check(name, {k: float(v) for k, v in m.groupdict().items()})

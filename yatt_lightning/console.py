@@ -1,0 +1,89 @@
+"""The terminal of a run: yatt's own lines there, everything the libraries print in a log file.
+
+vLLM, Megatron-Core, Lightning, torch's C++ warnings and the loaders' tqdm bars write to the process's
+file descriptors 1 and 2 directly, from Python and from C++. :class:`Capture` points both descriptors
+at a file and keeps a stream to the real terminal for yatt's logger, its progress bar and its summary,
+so nothing printed by a library is lost (it is in the file) and nothing of it reaches the terminal.
+``YATT_VERBOSE=1`` (``yatt fit --verbose``) leaves the descriptors alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+VERBOSE_ENV = "YATT_VERBOSE"
+
+
+def verbose() -> bool:
+    """True when the user asked for every library's output on the terminal."""
+    return os.environ.get(VERBOSE_ENV, "0") not in ("", "0", "false", "False")
+
+
+class Capture:
+    """While open, file descriptors 1 and 2 write to ``path``; :attr:`terminal` writes where they wrote before."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = (os.dup(1), os.dup(2))
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (lives as long as the capture)
+        os.dup2(self._file.fileno(), 1)
+        os.dup2(self._file.fileno(), 2)
+        self.terminal: TextIO = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        self._handlers = route_yatt_logger(self.terminal, copy_to=self._file)
+
+    def close(self) -> None:
+        """Put the descriptors back (idempotent)."""
+        if self._file is None:
+            return
+        for stream in (sys.stdout, sys.stderr, self.terminal):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        unroute_yatt_logger(self._handlers)
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        self.terminal.close()
+        self._file.close()
+        self._file = None
+
+
+class _FileCopy(logging.StreamHandler):
+    """yatt's lines in the capture file too (never re-routed to a terminal)."""
+
+
+Routing = list[tuple[logging.Handler, "TextIO | None"]]  # (handler, its stream before); None: remove it
+
+
+def route_yatt_logger(terminal: TextIO, copy_to: TextIO | None = None) -> Routing:
+    """yatt's log lines go to ``terminal`` (and into ``copy_to``); returns what :func:`unroute_yatt_logger` undoes."""
+    logger = logging.getLogger("yatt_lightning")
+    changed: Routing = []
+    for handler in logger.handlers:
+        if type(handler) is logging.StreamHandler:
+            changed.append((handler, handler.stream))
+            handler.setStream(terminal)
+    if copy_to is not None:
+        copy = _FileCopy(copy_to)
+        copy.setFormatter(logging.Formatter("[yatt %(levelname)s] %(message)s"))
+        logger.addHandler(copy)
+        changed.append((copy, None))
+    return changed
+
+
+def unroute_yatt_logger(changed: Routing) -> None:
+    logger = logging.getLogger("yatt_lightning")
+    for handler, previous in reversed(changed):
+        if previous is None:
+            logger.removeHandler(handler)
+        else:
+            handler.setStream(previous)
