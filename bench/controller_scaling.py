@@ -1,21 +1,30 @@
-"""What does rank 0 receive per step, and how much memory does it hold, as data-parallel ranks grow?
+"""What crosses the wire at rank 0, and how much memory does it hold, as data-parallel ranks grow?
 
 Runs a few GRPO steps of the tiny config with 1, 2 and 4 data-parallel processes (4 on 2 cores is fine:
-this measures bytes and memory, not speed) under both controllers. Every prompt row carries a 1 MB
-payload (standing in for an image), as multimodal RL data does. The parallel controller keeps rows
-where they were loaded; the single controller gathers them (and the completions) on rank 0.
+this measures bytes and memory, not speed) under both controllers, on the same workload: every prompt
+row carries a 1 MB payload of its own (standing in for an image), as multimodal RL data does.
 
-    python bench/controller_scaling.py [--steps 3] [--sizes 1,2,4] [--payload-mb 1]
+- ParallelController: every rank loads its own rows and keeps them; nothing but scalars crosses ranks.
+- SingleController as a driver design runs it (``driver_loads_rows``): rank 0 loads every rank's rows,
+  payload included, generates and scores everything; the others get their prompts, completions (token
+  ids, logprobs) and rewards from it, and send it their prompts' token ids.
 
-Last line: ``rank0_bytes_ratio=<parallel / single at the largest DP size>`` (bytes received by rank 0
-per step); target < 0.3, with rank 0's peak memory flat (within 10%) from 1 to 4 ranks in parallel mode.
+Bytes are counted where they cross the wire, by :mod:`yatt_lightning.wire` around ``torch.distributed``
+(its docstring has the byte model): both directions, per category (rollout data, gradients, control),
+per step after one warm-up step, at rank 0.
+
+    python bench/controller_scaling.py [--smoke] [--steps 3] [--sizes 1,2,4] [--payload-mb 1]
+
+Last line: ``rank0_data_bytes_ratio=<r> rank0_total_bytes_ratio=<t>``: parallel / single bytes per step at
+rank 0 at the largest DP size, for the data path (rollout category) and in total; target r <= 0.3.
+``--smoke`` runs DP=2 only, one measured step, 1 KiB payloads (DP=1 crosses no wire).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
 import resource
 import subprocess
 import sys
@@ -24,39 +33,55 @@ from pathlib import Path
 
 from yatt_lightning.datamodules.tasks import AlphabetTask
 
-HERE = Path(__file__).resolve().parent
 WARMUP = 1
+BATCH = 4  # prompts per DP rank per step
+MODES = {
+    "parallel": ["--trainer.strategy.controller", "yatt_lightning.controller.ParallelController"],
+    "single": ["--trainer.strategy.controller", "yatt_lightning.controller.SingleController",
+               "--trainer.strategy.controller.driver_loads_rows", "true"],
+}  # fmt: skip
+CATEGORIES = ("rollout", "gradients", "control")
 
 
 class PayloadTask(AlphabetTask):
-    """AlphabetTask rows with an ``image`` field of ``payload_mb`` MB (one shared bytes object in memory,
-    but serialised once per row whenever a row travels)."""
+    """AlphabetTask rows with an ``image`` field of ``payload_mb`` MB, distinct bytes per row."""
 
     def __init__(self, num_rows: int = 64, payload_mb: float = 1.0, seed: int = 0) -> None:
         super().__init__(num_rows=num_rows, seed=seed)
-        self.payload = os.urandom(int(payload_mb * 2**20))
+        self.payload_bytes = int(payload_mb * 2**20)
 
     def rows(self) -> list[dict]:
-        return [dict(r, image=self.payload) for r in super().rows()]
+        rng = random.Random(0)
+        return [dict(r, image=rng.randbytes(self.payload_bytes)) for r in super().rows()]
 
 
 def _child(out: Path, overrides: list[str]) -> None:
-    """One training run (this process is rank 0; Lightning launches the others)."""
+    """One training run (this process is rank 0; Lightning launches the others with the same arguments)."""
+    from yatt_lightning import wire
+
+    wire.install()  # on every rank, before Megatron and vLLM are imported
     import torch
     from _common import build_cli
     from lightning.pytorch import Callback
 
     class Meter(Callback):
+        def __init__(self) -> None:
+            self.start, self.end, self.steps = None, None, 0
+
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.end = wire.snapshot()
             if batch_idx == WARMUP - 1:
-                self.start = trainer.strategy.controller.bytes_received
+                self.start = self.end
+            elif batch_idx >= WARMUP:
+                self.steps += 1
 
         def on_train_end(self, trainer, module) -> None:
-            steps = trainer.global_step - WARMUP
-            nbytes = (trainer.strategy.controller.bytes_received - self.start) / steps
+            if not trainer.is_global_zero:
+                return
+            d = self.end - self.start
+            per_step = {c: {"sent": d.sent[c] / self.steps, "received": d.received[c] / self.steps} for c in CATEGORIES}
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # MiB
-            if trainer.is_global_zero:
-                out.write_text(json.dumps({"bytes_per_step": nbytes, "peak_rss_mib": rss}))
+            out.write_text(json.dumps({"per_step": per_step, "steps": self.steps, "peak_rss_mib": rss}))
 
     torch.set_num_threads(1)
     cli = build_cli(overrides)
@@ -64,8 +89,14 @@ def _child(out: Path, overrides: list[str]) -> None:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
 
+def _total(r: dict, category: str | None = None) -> float:
+    cats = CATEGORIES if category is None else (category,)
+    return sum(r["per_step"][c]["sent"] + r["per_step"][c]["received"] for c in cats)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="DP=2 only, 1 measured step, 1 KiB payloads")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--sizes", default="1,2,4")
     p.add_argument("--payload-mb", type=float, default=1.0)
@@ -74,33 +105,43 @@ def main() -> None:
     if args.child:
         _child(Path(args.child[0]), args.child[1:])
         return
+    if args.smoke:
+        args.steps, args.sizes, args.payload_mb = 1, "2", 2**-10
     sizes = [int(s) for s in args.sizes.split(",")]
+    num_rows = BATCH * max(sizes) * (args.steps + WARMUP)  # the same rows at every size
     results = {}
+    print(f"rank 0, per step ({args.steps} measured after {WARMUP} warm-up; {BATCH} prompts per rank, "
+          f"{args.payload_mb:g} MB payload per row); bytes sent + received", flush=True)  # fmt: skip
+    print(f"{'controller':<9} {'dp':>2} {'total':>12} {'rollout':>12} {'gradients':>12} {'control':>10}  peak RSS")
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("ParallelController", "SingleController"):
+        for mode, flags in MODES.items():
             for dp in sizes:
                 out = Path(tmp) / f"{mode}-{dp}.json"
                 overrides = [
-                    "--trainer.max_steps", str(args.steps + WARMUP), "--trainer.devices", str(dp),
-                    "--trainer.strategy.controller", f"yatt_lightning.controller.{mode}",
-                    "--data.task", "__main__.PayloadTask", "--data.task.num_rows", str(4 * 4 * (args.steps + WARMUP)),
-                    "--data.task.payload_mb", str(args.payload_mb), "--data.batch_size", "4",
+                    "--trainer.max_steps", str(args.steps + WARMUP), "--trainer.devices", str(dp), *flags,
+                    "--data.task", "__main__.PayloadTask", "--data.task.num_rows", str(num_rows),
+                    "--data.task.payload_mb", str(args.payload_mb), "--data.batch_size", str(BATCH),
                 ]  # fmt: skip
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), *overrides]
                 proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=1800)
                 if proc.returncode != 0 or not out.exists():
-                    sys.exit(f"{mode} with {dp} ranks failed:\n{proc.stderr[-4000:]}")
-                results[(mode, dp)] = json.loads(out.read_text())
-                r = results[(mode, dp)]
-                print(f"{mode:<20} dp={dp}  rank0 received {r['bytes_per_step']:12.0f} B/step "
-                      f"({r['bytes_per_step'] / 2**20:7.2f} MiB)  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
+                    sys.exit(f"{mode} with {dp} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+                r = results[(mode, dp)] = json.loads(out.read_text())
+                cells = " ".join(f"{_total(r, c):>12,.0f}" for c in CATEGORIES[:2])
+                print(f"{mode:<9} {dp:>2} {_total(r):>12,.0f} {cells} {_total(r, 'control'):>10,.0f}  "
+                      f"{r['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
     top = max(sizes)
-    par, single = results[("ParallelController", top)], results[("SingleController", top)]
-    flat = [results[("ParallelController", dp)]["peak_rss_mib"] for dp in sizes]
+    par, single = results[("parallel", top)], results[("single", top)]
+    for mode in MODES:
+        rss = [results[(mode, dp)]["peak_rss_mib"] for dp in sizes]
+        print(f"{mode}: rank 0 peak RSS from {sizes[0]} to {top} ranks changes by {max(rss) / min(rss) - 1:+.1%}")
+    s = single["per_step"]["rollout"]
     print(
-        f"parallel mode: rank 0 peak memory from {sizes[0]} to {top} ranks changes by {max(flat) / min(flat) - 1:+.1%}"
+        f"single at dp={top}: rank 0 sends {s['sent']:,.0f} B and receives {s['received']:,.0f} B of rollout data per step"
     )
-    print(f"rank0_bytes_ratio={par['bytes_per_step'] / max(single['bytes_per_step'], 1):.2e}", flush=True)
+    data = _total(par, "rollout") / max(_total(single, "rollout"), 1)
+    total = _total(par) / max(_total(single), 1)
+    print(f"rank0_data_bytes_ratio={data:.3g} rank0_total_bytes_ratio={total:.3g}", flush=True)
 
 
 if __name__ == "__main__":

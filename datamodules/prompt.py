@@ -5,6 +5,11 @@ function (e.g. ``answer``). Sources: a JSON-lines file (one object per line), or
 Each data-parallel rank reads only its own shard (a ``DistributedSampler`` over the data-parallel
 group, not the global ranks: the ranks of one model-parallel group share their prompts). Loading uses
 torchdata's ``StatefulDataLoader``, whose position Lightning saves in checkpoints.
+
+Under a controller that loads on a driver (``SingleController(driver_loads_rows=True)``), rank 0 alone
+reads the rows: each step it loads the global batch (every data-parallel rank's batch, the same rows in
+the same order as the shards above) and hands it to the controller, which gives each rank its share
+(:meth:`~yatt_lightning.controller.Controller.distribute_rows`); the other ranks' loaders only count steps.
 """
 
 from __future__ import annotations
@@ -13,11 +18,25 @@ import json
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
 from yatt_lightning.datamodules.tasks import AlphabetTask
 
 from yatt_lightning.seeding import resolve_seed
+
+
+class _Steps(Dataset):
+    """As many placeholders as the driver has rows: a rank that loads nothing still takes as many steps."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, index: int) -> None:
+        return None
 
 
 class PromptDataset(Dataset):
@@ -120,8 +139,13 @@ class PromptDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        if self.dataset is None:
+        if self.dataset is None and not (self._driver() is not None and self.trainer.global_rank != 0):
             self.dataset = PromptDataset(self.load_rows())
+
+    def _driver(self):
+        """The strategy's controller when rank 0 loads every rank's rows, else ``None``."""
+        controller = getattr(self.trainer.strategy, "controller", None) if self.trainer else None
+        return controller if controller is not None and controller.loads_on_driver else None
 
     def shard(self) -> tuple[int, int]:
         """(data-parallel size, data-parallel rank) of this process."""
@@ -135,19 +159,37 @@ class PromptDataModule(pl.LightningDataModule):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         replicas, rank = self.shard()
-        if len(self.dataset) < replicas * self.batch_size:
+        dataset, batch_size = self.dataset, self.batch_size
+        if self._driver() is not None and replicas > 1:
+            # The driver's permutation is the shards' (the same seed); one block of replicas x batch_size of it
+            # is the union of every rank's batch of the step, rank r's rows at positions r, r + replicas, ...
+            num_rows = [len(dataset) if rank == 0 else None]
+            torch.distributed.broadcast_object_list(num_rows, src=0)
+            if rank == 0:
+                replicas, batch_size = 1, replicas * batch_size
+            else:
+                dataset = _Steps(num_rows[0])
+        if len(dataset) < replicas * batch_size:
             raise ValueError(
-                f"the dataset has {len(self.dataset)} rows, fewer than one step needs "
-                f"({replicas} data-parallel ranks x `data.batch_size`={self.batch_size})."
+                f"the dataset has {len(dataset)} rows, fewer than one step needs "
+                f"({self.shard()[0]} data-parallel ranks x `data.batch_size`={self.batch_size})."
             )
         sampler = DistributedSampler(
-            self.dataset, num_replicas=replicas, rank=rank, shuffle=self.shuffle, seed=self.seed, drop_last=True
+            dataset, num_replicas=replicas, rank=rank, shuffle=self.shuffle, seed=self.seed, drop_last=True
         )
         return StatefulDataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
+            dataset,
+            batch_size=batch_size,
             sampler=sampler,
             drop_last=True,
             collate_fn=_identity,
             num_workers=self.num_workers,
         )
+
+    @override
+    def on_after_batch_transfer(self, batch: list, dataloader_idx: int) -> list[dict]:
+        driver = self._driver()
+        if driver is None:
+            return batch
+        replicas, rank = self.shard()
+        return driver.distribute_rows([batch[r::replicas] for r in range(replicas)] if rank == 0 else None)

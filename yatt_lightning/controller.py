@@ -8,23 +8,31 @@ broadcasts the scores inside the group. Nothing crosses DP ranks except scalars 
 cost on any one rank does not grow with the number of ranks.
 
 :class:`SingleController` is the driver design users would otherwise pick (verl's single controller):
-global rank 0 gathers every rank's prompts (with all their fields, images included), generates all of
-them on its own engine, scores them and scatters the results back. It exists to measure what that costs
+global rank 0 holds every rank's rows, generates all prompts on its own engine, scores every sample and
+sends each rank what it trains on (completions, scores). The rows reach it once per step: gathered from
+the ranks that loaded them, or loaded by the driver itself (``driver_loads_rows``, as a driver design
+would; the other ranks then get only their prompts from it). It exists to measure what that costs
 (``bench/controller_scaling.py``).
 
-Both count the bytes each rank receives through them (:attr:`Controller.bytes_received`).
+Their transfers are tagged ``"rollout"`` for :mod:`yatt_lightning.wire`, which counts bytes where they
+cross the wire.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 
 import torch
 
+from yatt_lightning import wire
+from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.rollout.base import Completion, SamplingConfig
 
 ScoreFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
+
+# What a rank needs of a row the driver loaded: its prompt (tokenized there), its id (the sampling seed)
+# and where it came from (error messages). The other fields (answers, images) stay with the driver, which scores.
+STUB_FIELDS = ("prompt", "_id", "_source")
 
 
 class Controller:
@@ -32,13 +40,23 @@ class Controller:
 
     def __init__(self) -> None:
         self.strategy = None
-        self.bytes_received = 0
 
     def attach(self, strategy) -> None:
         self.strategy = strategy
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         """Raise a ValueError naming the key if this controller cannot serve the layout."""
+
+    @property
+    def loads_on_driver(self) -> bool:
+        """True when global rank 0 loads every rank's rows (the datamodule then loads the global batch there
+        and hands it to :meth:`distribute_rows`)."""
+        return False
+
+    def distribute_rows(self, shares: list[list[dict]] | None) -> list[dict]:
+        """Collective, with :attr:`loads_on_driver`: rank 0 passes every DP rank's rows of the step
+        (``shares[r]``), the others ``None``; returns the rows this rank's module works on."""
+        raise NotImplementedError(f"{type(self).__name__} does not load rows on a driver.")
 
     def generate(
         self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int], keep: int
@@ -56,10 +74,9 @@ class Controller:
         return 1
 
     def all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        """Reduce logging scalars over all ranks (in place); counted like every other transfer."""
+        """Reduce logging scalars over all ranks (in place; nothing to do on one process)."""
         if _world() > 1:
             torch.distributed.all_reduce(tensor, op=op)
-            self.bytes_received += tensor.numel() * tensor.element_size()
         return tensor
 
 
@@ -86,14 +103,27 @@ class ParallelController(Controller):
         with self.strategy.fail_together():  # every rank must hear of a failure before the broadcast below
             if is_head:
                 scores = score_fn(*local).float()
-        torch.distributed.broadcast(scores, src=head, group=group)
-        if not is_head:
-            self.bytes_received += scores.numel() * scores.element_size()
+        with wire.category("rollout"):
+            torch.distributed.broadcast(scores, src=head, group=group)
         return scores
 
 
 class SingleController(Controller):
-    """Global rank 0 gathers all prompts, generates and scores them, and scatters the results."""
+    """Global rank 0 (the driver) holds every rank's rows, generates and scores everything, and sends each
+    rank its completions and scores.
+
+    Args:
+        driver_loads_rows: Rank 0 loads every rank's rows itself (the global batch, through
+            :class:`~yatt_lightning.datamodules.PromptDataModule`) and sends each rank only the fields its
+            module needs before scoring (``prompt``, ``_id``, ``_source``): rows never travel to it. With
+            ``False`` every rank loads its own rows and rank 0 gathers them, once per step.
+    """
+
+    def __init__(self, driver_loads_rows: bool = False) -> None:
+        super().__init__()
+        self.driver_loads_rows = driver_loads_rows
+        self._loaded: list[list[dict]] | None = None  # on the driver: every rank's rows of the step, as loaded
+        self._held: list[tuple[list[dict], list, list]] | None = None  # on the driver: rows, prompt ids, groups
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         if tensor_model_parallel_size * pipeline_model_parallel_size != 1:
@@ -102,19 +132,44 @@ class SingleController(Controller):
                 "tensor_model_parallel_size and pipeline_model_parallel_size to 1, or use ParallelController."
             )
 
+    @property
+    def loads_on_driver(self) -> bool:
+        return self.driver_loads_rows
+
+    def distribute_rows(self, shares):
+        if shares is not None:  # the driver keeps the full rows for generate() and score()
+            self._loaded = shares
+            if _world() == 1:
+                return shares[0]
+            stubs = [None] + [[{k: row[k] for k in STUB_FIELDS if k in row} for row in part] for part in shares[1:]]
+            self._scatter(stubs)
+            return shares[0]
+        return self._scatter(None)
+
     def generate(self, prompts, rows, sampling, seeds, keep):
         if keep < len(prompts):
             raise ValueError("`model.long_tail`: over-provisioning is not supported with the SingleController.")
-        gathered = self._gather((prompts, rows, seeds))
+        if self.driver_loads_rows:
+            with self.strategy.fail_together():  # before the gather below, where the other ranks would wait
+                if _rank() == 0 and self._loaded is None:
+                    raise ValueError(
+                        "`trainer.strategy.controller.driver_loads_rows`: the datamodule did not hand the driver "
+                        "the global batch; use PromptDataModule, or set driver_loads_rows to false."
+                    )
+        # The rows reach the driver here, once (not at all when it loaded them); it keeps them for score().
+        gathered = self._gather((prompts, seeds) if self.driver_loads_rows else (prompts, seeds, rows))
         if gathered is not None:
-            all_prompts = [p for ps_, _, _ in gathered for p in ps_]
-            all_seeds = [s for _, _, ss in gathered for s in ss]
+            every_rows = self._loaded if self.driver_loads_rows else [part[2] for part in gathered]
+            self._loaded = None
+            all_prompts = [p for part in gathered for p in part[0]]
+            all_seeds = [s for part in gathered for s in part[1]]
             with self.strategy.rollout_context() as engine:
                 groups = engine.generate(all_prompts, sampling, all_seeds)
             parts, start = [], 0
-            for ps_, _, _ in gathered:
-                parts.append(groups[start : start + len(ps_)])
-                start += len(ps_)
+            for part in gathered:
+                parts.append(groups[start : start + len(part[0])])
+                start += len(part[0])
+            self._held = [(r, part[0], g) for r, part, g in zip(every_rows, gathered, parts, strict=True)]
         else:
             # The other ranks' engines idle; their weights still follow the policy for a fair comparison.
             with self.strategy.rollout_context():
@@ -122,40 +177,57 @@ class SingleController(Controller):
         return self._scatter(parts)
 
     def score(self, rollouts, score_fn):
-        # The driver scores everything: it needs every sample's completion and row.
-        gathered = self._gather((rollouts.prompts, rollouts.completions, rollouts.rows))
+        # The driver scores everything from what it has held since generate(): nothing travels to it here.
         parts = None
         with self.strategy.fail_together():  # the other ranks wait in the scatter below: tell them first
-            if gathered is not None:
-                parts = [score_fn(*part) for part in gathered]
-        return self._scatter(parts)
+            if self._held is not None:
+                held, self._held = self._held, None
+                parts = [score_fn(rollouts.prompts, rollouts.completions, rollouts.rows)]
+                parts += [score_fn(*self._samples(*h)) for h in held[1:]]
+        scores = self._scatter(parts)
+        if len(scores) != len(rollouts):
+            raise RuntimeError(
+                f"the driver scored {len(scores)} samples for rank {_rank()}, which holds "
+                f"{len(rollouts)}: the SingleController expects RLHFModule.rollout's layout (each kept group's "
+                "samples in prompt order)."
+            )
+        return scores
 
     def engine_batch_scale(self) -> int:
         return _world()
 
-    # -- object collectives through rank 0, with byte counting
-    def _gather(self, obj):
+    def _samples(self, rows: list[dict], prompt_ids: list, groups: list) -> tuple[list[str], list[str], list[dict]]:
+        """(prompts, completions, rows) of another rank's samples, laid out as its module laid them out."""
+        samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
+        batch = RolloutBatch.from_samples(samples, self.strategy.lightning_module.tokenizer)
+        return batch.prompts, batch.completions, batch.rows
+
+    # -- object collectives through rank 0
+    @staticmethod
+    def _gather(obj):
         if _world() == 1:
             return [obj]
-        out = [None] * _world() if torch.distributed.get_rank() == 0 else None
-        torch.distributed.gather_object(obj, out, dst=0)
-        if out is not None:
-            self.bytes_received += sum(len(pickle.dumps(o)) for i, o in enumerate(out) if i != 0)
-            return out
-        return None
+        out = [None] * _world() if _rank() == 0 else None
+        with wire.category("rollout"):
+            torch.distributed.gather_object(obj, out, dst=0)
+        return out
 
-    def _scatter(self, parts):
+    @staticmethod
+    def _scatter(parts):
         if _world() == 1:
             return parts[0]
         received = [None]
-        torch.distributed.scatter_object_list(received, parts, src=0)
-        if torch.distributed.get_rank() != 0:
-            self.bytes_received += len(pickle.dumps(received[0]))
+        with wire.category("rollout"):
+            torch.distributed.scatter_object_list(received, parts, src=0)
         return received[0]
 
 
 def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 __all__ = ["Completion", "Controller", "ParallelController", "ScoreFn", "SingleController"]

@@ -18,6 +18,7 @@ import torch
 from jsonargparse import lazy_instance
 from typing_extensions import override
 
+from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.longtail import LongTailPolicy, PartialRollout, WaitForAll
@@ -292,7 +293,8 @@ class RLHFModule(pl.LightningModule):
         """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
         self.trainer.strategy.prepare_training()
         if self.balancer is not None:
-            rollouts = self.balancer.rebalance(self, rollouts)
+            with wire.category("rollout"):
+                rollouts = self.balancer.rebalance(self, rollouts)
         everything = list(range(len(rollouts)))
         rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
         if self.reference is not None:
@@ -306,13 +308,15 @@ class RLHFModule(pl.LightningModule):
             for part in mini_batch_slices(len(order), self.mini_batches):
                 optimizer.zero_grad()
                 mbs = self.microbatches(rollouts, order[part])
-                outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
+                with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
+                    outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
                     for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
                         sums[key] += value
                 self._check_finite(outputs)
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
-                optimizer.step()
+                with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
+                    optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
         self.partial_update = False
         stats = self._reduce_token_metrics(sums)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import psutil
 import torch
 
+from yatt_lightning import wire
 from yatt_lightning.longtail import PartialRollout
 from yatt_lightning.rewards.base import RewardError, RewardOutput
 from yatt_lightning.rewards.genrm import GenerativeRewardModel
@@ -197,7 +198,8 @@ class PartialColocation(Placement):
         outgoing = [None] * world
         if rank in self.judge:
             outgoing[self.partner_rollout(rank)] = (prompts, rows, seeds, keep)
-        received, _ = exchange_objects(outgoing)
+        with wire.category("rollout"):
+            received, _ = exchange_objects(outgoing)
         if rank in self.rollout:
             return self._rollout_side(strategy, module, prompts, rows, seeds, keep, sampling, received)
         return self._judge_side(strategy, module, len(prompts), sampling)
@@ -387,12 +389,14 @@ def _round_robin(items: list[int]) -> Iterator[int]:
         yield from items
 
 
+@wire.category("rollout")
 def _isend(obj, dst: int, group) -> list:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.long)
     return [torch.distributed.isend(size, dst, group=group), torch.distributed.isend(payload, dst, group=group)]
 
 
+@wire.category("rollout")
 def _recv(src: int, group):
     size = torch.empty(1, dtype=torch.long)
     torch.distributed.recv(size, src, group=group)
@@ -404,6 +408,7 @@ def _recv(src: int, group):
 class _PendingRecv:
     """A message being received: its size first (posted now), then the payload."""
 
+    @wire.category("rollout")
     def __init__(self, src: int, group) -> None:
         self.src, self.group = src, group
         self.size = torch.empty(1, dtype=torch.long)
@@ -412,6 +417,7 @@ class _PendingRecv:
     def ready(self) -> bool:
         return self.request.is_completed()
 
+    @wire.category("rollout")
     def take(self):
         self.request.wait()
         payload = torch.empty(int(self.size), dtype=torch.uint8)
