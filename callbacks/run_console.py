@@ -138,12 +138,9 @@ class RunConsole(ProgressBar):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._capture is not None:
-            path = self._capture.path
+        if self._capture is not None:  # before an error is shown: it goes to the terminal again
             self._capture.close()
             self._capture = None
-            if self._failed is not None and trainer.is_global_zero:
-                print(f"[yatt] the libraries' output of this run is in {path}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ the summary
     def summary(self, trainer) -> list[str]:

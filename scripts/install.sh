@@ -15,7 +15,9 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# -qq: pip's errors only (its warnings about this machine's index settings are not the user's business).
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -qq)
+echo "installing into $VENV: torch 2.13.0 (CPU build), then the locked CPU stack (requirements/cpu.lock; ~2.5 min the first time)"
 "${PIP[@]}" install "torch==2.13.0"
 "${PIP[@]}" install --no-deps -r requirements/cpu.lock
 "${PIP[@]}" install --no-deps --no-build-isolation -e . 2>/dev/null || "${PIP[@]}" install --no-deps -e .

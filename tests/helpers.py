@@ -56,3 +56,26 @@ def read_texts(log_dir: Path) -> dict[str, list[str]]:
     return {
         tag: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)] for tag in acc.Tags().get("tensors", [])
     }
+
+
+def yatt_in_process(args: list[str], *, cwd: Path) -> tuple[int, str]:
+    """``yatt ARGS`` through the CLI's entry point in this process (for what ends before any process group
+    or engine starts: a configuration error, ``--print_config``); returns (exit code, stdout + stderr).
+    Seconds instead of a fresh interpreter's import of torch, Lightning and Megatron per case."""
+    import contextlib
+    import io
+
+    from yatt_lightning.cli import main
+
+    out = io.StringIO()
+    before = os.getcwd()
+    os.chdir(cwd)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        os.chdir(before)
+    return code, out.getvalue()

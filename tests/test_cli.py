@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, read_scalars, read_texts, yatt
+from tests.helpers import REPO, read_scalars, read_texts, yatt, yatt_in_process
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -16,17 +16,17 @@ CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
 def test_every_shipped_config_parses_through_the_cli(config, tmp_path):
-    proc = yatt(["fit", "--config", str(config), "--print_config"], cwd=tmp_path, timeout=120)
-    assert "class_path: yatt_lightning.module.RLHFModule" in proc.stdout or "RLHFModule" in proc.stdout
+    code, out = yatt_in_process(["fit", "--config", str(config), "--print_config"], cwd=tmp_path)
+    assert code == 0, out
+    assert "class_path: yatt_lightning.module.RLHFModule" in out
 
 
 def test_cli_overrides_reach_the_config(tmp_path):
-    proc = yatt(
+    code, out = yatt_in_process(
         ["fit", "--config", TINY, "--trainer.max_steps", "7", "--model.algorithm.clip_eps", "0.3", "--print_config"],
         cwd=tmp_path,
-        timeout=120,
     )
-    assert "max_steps: 7" in proc.stdout and "clip_eps: 0.3" in proc.stdout
+    assert code == 0 and "max_steps: 7" in out and "clip_eps: 0.3" in out
 
 
 @pytest.mark.parametrize(
@@ -53,9 +53,10 @@ def test_cli_overrides_reach_the_config(tmp_path):
     ],
 )
 def test_bad_config_is_reported_with_the_key(override, expected, tmp_path):
-    proc = yatt(["fit", "--config", TINY, *override], cwd=tmp_path, timeout=120, check=False)
-    assert proc.returncode != 0
-    assert expected in proc.stderr + proc.stdout
+    code, out = yatt_in_process(["fit", "--config", TINY, *override], cwd=tmp_path)
+    assert code == 2, out
+    assert expected in out
+    assert len(out.strip().splitlines()) <= 10, out
 
 
 def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:

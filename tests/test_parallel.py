@@ -18,7 +18,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])  # tp2: test_tp2_engine_samples_what_a_tp1_engine_samples
+# tp2: test_tp2_engine_samples_what_a_tp1_engine_samples; dp2 (engine logprobs = policy's): test_launchers.py
+@pytest.mark.parametrize("layout", ["pp2"])
 def test_layout_trains_and_engine_matches_policy(layout, tmp_path):
     """grpo_tiny end to end on 2 processes; after the weight push the engine's logprobs equal the policy's
     (bench/rollout_consistency.py at its smoke size and more)."""

@@ -32,7 +32,7 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-from yatt_lightning import console  # noqa: E402
+from yatt_lightning import console, errors  # noqa: E402
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
 from yatt_lightning.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402
@@ -71,6 +71,16 @@ class YattCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         _loggers_default_to_root_dir(config.trainer)
+
+    def init_parser(self, **kwargs: Any):
+        parser = super().init_parser(**kwargs)
+        parser.exit_on_error = False  # main() shows one screen: the message that names the key, exit code 2
+        return parser
+
+    def fit(self, **kwargs: Any) -> None:
+        global _RUNNING
+        _RUNNING = True  # from here on an error is a run-time one (exit code 1), not a configuration one
+        self.trainer.fit(**kwargs)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's, plus :class:`~yatt_lightning.callbacks.RunConsole` as the progress bar when the config
@@ -148,21 +158,45 @@ def check_layout(model: RLHFModule, trainer) -> None:
         )
 
 
+_RUNNING = False
+
+
 def main(args: list[str] | None = None) -> None:
+    """``yatt fit|validate|export ...``; ``--verbose`` (fit): every library's output on the terminal;
+    ``--debug``: full tracebacks instead of one screen per error."""
     import sys
+    import traceback
 
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["fit"] and "--verbose" in argv:  # every library's output on the terminal (RunConsole)
         argv = [a for a in argv if a != "--verbose"]
         os.environ[console.VERBOSE_ENV] = "1"  # the other ranks, launched with this environment, too
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ[errors.DEBUG_ENV] = "1"
     configure_logging()
-    if argv[:1] == ["export"]:
-        from yatt_lightning.export import main as export_main
+    try:
+        if argv[:1] == ["export"]:
+            from yatt_lightning.export import main as export_main
 
-        export_main(argv[1:])
-        return
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    YattCLI(args=argv)
+            global _RUNNING
+            _RUNNING = True
+            export_main(argv[1:])
+            return
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        YattCLI(args=argv)
+    except SystemExit:
+        raise
+    except BaseException as err:
+        if errors.debug():
+            raise
+        log_path = console.last_capture
+        if log_path is not None and log_path.exists():
+            with open(log_path, "a") as f:
+                f.write("".join(traceback.format_exception(err)))
+        text, code = errors.error_screen(err, configuring=not _RUNNING, log_path=log_path)
+        print(text, file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

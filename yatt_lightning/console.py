@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 VERBOSE_ENV = "YATT_VERBOSE"
+last_capture: Path | None = None  # the newest capture file of this process (the CLI appends a traceback there)
 
 
 def verbose() -> bool:
@@ -27,7 +28,8 @@ class Capture:
     """While open, file descriptors 1 and 2 write to ``path``; :attr:`terminal` writes where they wrote before."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        global last_capture
+        self.path = last_capture = path
         path.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
         sys.stderr.flush()
