@@ -123,7 +123,14 @@ class YattCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
-        check_layout(self.model, self.trainer)
+        if not isinstance(self.trainer.strategy, MegatronStrategy):
+            raise ValueError(
+                "`trainer.strategy` must be yatt_lightning.strategy.MegatronStrategy (or a subclass), got "
+                f"{type(self.trainer.strategy).__name__}."
+            )
+        from yatt_lightning.preflight import check_run
+
+        check_run(self.model, self.datamodule, self.trainer)
 
 
 def _loggers_default_to_root_dir(trainer) -> None:
@@ -134,28 +141,6 @@ def _loggers_default_to_root_dir(trainer) -> None:
         init_args = getattr(logger, "init_args", None)
         if init_args is not None and "save_dir" in init_args and not init_args.save_dir:
             init_args.save_dir = str(trainer.default_root_dir or ".")
-
-
-def check_layout(model: RLHFModule, trainer) -> None:
-    """Fail before any process is launched when the parallel layout cannot split the model."""
-    strategy = trainer.strategy
-    if not isinstance(strategy, MegatronStrategy):
-        raise ValueError(
-            f"`trainer.strategy` must be yatt_lightning.strategy.MegatronStrategy (or a subclass), got "
-            f"{type(strategy).__name__}."
-        )
-    from transformers import AutoConfig
-
-    from yatt_lightning.models.gpt import HFArch
-
-    tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
-    HFArch.from_hf_config(AutoConfig.from_pretrained(model.policy_spec.resolve())).check_parallel(tp, pp)
-    world = trainer.num_devices * trainer.num_nodes
-    if world % (tp * pp):
-        raise ValueError(
-            f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
-            f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
-        )
 
 
 _RUNNING = False

@@ -110,6 +110,12 @@ class RLHFModule(pl.LightningModule):
                 raise ValueError(f"`model.{key}` must be >= {low}, got {value}.")
         if kl_coef < 0:
             raise ValueError(f"`model.kl_coef` must be >= 0, got {kl_coef}.")
+        if advantage_estimator.group_baseline and sampling.n < 2:
+            raise ValueError(
+                f"`model.sampling.n`={sampling.n} with `model.advantage_estimator` "
+                f"{type(advantage_estimator).__name__}: a group of one sample has advantage 0, so nothing would "
+                "be learned; set `model.sampling.n` >= 2 (GRPO uses 4-16)."
+            )
         self.automatic_optimization = False
         self.policy_spec = policy
         self.reward_functions = list(rewards) if rewards else [RuleReward(reward_fn)]

@@ -13,7 +13,12 @@ import torch
 
 
 class AdvantageEstimator:
-    """Base class: ``__call__(rewards [N], group_ids [N]) -> advantages [N]`` (one value per sample)."""
+    """Base class: ``__call__(rewards [N], group_ids [N]) -> advantages [N]`` (one value per sample).
+
+    ``group_baseline``: the estimator compares each sample with the other samples of its prompt, so a
+    group of one sample gets advantage 0 and the run learns nothing (refused at construction)."""
+
+    group_baseline: bool = False
 
     def __call__(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -26,6 +31,8 @@ class GRPOAdvantage(AdvantageEstimator):
         normalize_std: Divide by the group's standard deviation (GRPO); False only centres (Dr. GRPO).
         eps: Added to the standard deviation to avoid division by zero.
     """
+
+    group_baseline = True
 
     def __init__(self, normalize_std: bool = True, eps: float = 1e-6) -> None:
         if eps <= 0:

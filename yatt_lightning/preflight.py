@@ -1,0 +1,103 @@
+"""Checks that run before any process group or engine starts: a bad run fails in seconds, naming the key.
+
+``yatt fit`` calls :func:`check_run` right after building the module, data module and trainer from the
+configuration (in every process, before Lightning launches the others or vLLM starts): the parallel
+layout against the model, the model folder (config, weight files, tokenizer), sequence lengths against
+the model's positions, the schedule, the data (every row loads, there are enough for a step, every prompt
+tokenizes within ``model.max_prompt_tokens``). What fails here is a configuration error (exit code 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from yatt_lightning.models.gpt import HFArch
+
+
+def check_run(model, datamodule, trainer) -> None:
+    """Raise a ``ValueError`` naming the key, file or row for the first problem found."""
+    from transformers import AutoConfig
+
+    strategy = trainer.strategy
+    path = model.policy_spec.resolve()
+    config = AutoConfig.from_pretrained(path)
+    arch = HFArch.from_hf_config(config)
+    check_layout(arch, strategy, trainer)
+    check_weights(path)
+    tokenizer = load_tokenizer(path)
+    longest = model.max_prompt_tokens + model.sampling.max_new_tokens
+    if longest > arch.max_position_embeddings:
+        raise ValueError(
+            f"`model.max_prompt_tokens` ({model.max_prompt_tokens}) + `model.sampling.max_new_tokens` "
+            f"({model.sampling.max_new_tokens}) = {longest} exceeds the model's {arch.max_position_embeddings} "
+            f"positions (max_position_embeddings in {path / 'config.json'}); lower one of them."
+        )
+    if trainer.max_steps == 0:
+        raise ValueError("`trainer.max_steps` is 0: the run would train nothing; set it to the number of RL steps.")
+    if datamodule is not None and hasattr(datamodule, "load_rows"):
+        check_data(model, datamodule, trainer, tokenizer)
+
+
+def check_layout(arch: HFArch, strategy, trainer) -> None:
+    """The parallel layout can split the model and the processes."""
+    tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
+    arch.check_parallel(tp, pp)
+    world = trainer.num_devices * trainer.num_nodes
+    if world % (tp * pp):
+        raise ValueError(
+            f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
+            f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
+        )
+
+
+def check_weights(path: Path) -> None:
+    """Every safetensors file of the model folder has a readable header (a truncated copy fails here)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"`model.policy.path`: {path} holds no *.safetensors weights; point it at a Hugging Face folder.")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as err:
+            raise ValueError(
+                f"`model.policy.path`: {file} is not a readable safetensors file ({err}); copy it again."
+            ) from err
+
+
+def load_tokenizer(path: Path):
+    """The model folder's tokenizer, or an error that names the folder and the files it needs."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise ValueError(
+            f"`model.policy.path`: cannot load a tokenizer from {path} ({type(err).__name__}: {err}); the folder needs "
+            "the tokenizer files of its model (tokenizer.json and tokenizer_config.json, or the model's own)."
+        ) from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_data(model, datamodule, trainer, tokenizer) -> None:
+    """Every row loads, one step's worth exists, and every prompt tokenizes within the limit."""
+    rows = datamodule.load_rows()
+    strategy = trainer.strategy
+    model_parallel = strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size
+    replicas = max(trainer.num_devices * trainer.num_nodes // model_parallel, 1)
+    if len(rows) < replicas * datamodule.batch_size:
+        source = datamodule.path or type(datamodule.task).__name__
+        raise ValueError(
+            f"the dataset ({source}) has {len(rows)} rows, fewer than one step needs ({replicas} data-parallel "
+            f"ranks x `data.batch_size`={datamodule.batch_size}); add rows or lower `data.batch_size`."
+        )
+    previous, model.tokenizer = model.tokenizer, tokenizer
+    try:
+        for row in rows:
+            model.tokenize_prompt(row)
+    finally:
+        model.tokenizer = previous
