@@ -9,6 +9,7 @@ and callbacks is a config key with its docstring in ``--help``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 # Before torch (and vLLM) are imported: one thread per process (two threads per process on a loaded
@@ -146,6 +147,24 @@ def _loggers_default_to_root_dir(trainer) -> None:
 _RUNNING = False
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Each ``--config FILE`` exists and is valid YAML (jsonargparse's message names neither file nor line)."""
+    import yaml
+
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"`--config {name}`: no such file.")
+        try:
+            yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark else name
+            raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the file.") from None
+
+
 def main(args: list[str] | None = None) -> None:
     """``yatt fit|validate|export ...``; ``--verbose`` (fit): every library's output on the terminal;
     ``--debug``: full tracebacks instead of one screen per error."""
@@ -169,6 +188,7 @@ def main(args: list[str] | None = None) -> None:
             export_main(argv[1:])
             return
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        _check_config_files(argv)
         YattCLI(args=argv)
     except SystemExit:
         raise

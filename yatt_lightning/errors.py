@@ -62,11 +62,11 @@ def raised_by_us(err: BaseException) -> bool:
 
 
 def root_cause(err: BaseException) -> BaseException:
-    """The innermost exception raised by yatt-lightning in ``err``'s chain (whose message names the key,
-    file or line), or the innermost one when none is ours."""
+    """The outermost exception raised by yatt-lightning in ``err``'s chain (the one written for the user:
+    ``raise ValueError("`key` ...") from err``), or the innermost one when none is ours."""
     errors = chain(err)
     ours = [e for e in errors if raised_by_us(e)]
-    return ours[-1] if ours else errors[-1]
+    return ours[0] if ours else errors[-1]
 
 
 def config_message(err: BaseException) -> str:
@@ -78,7 +78,7 @@ def config_message(err: BaseException) -> str:
         return unknown_key_message(str(errors[0]), unknown.group("key"))
     ours = [e for e in errors if raised_by_us(e)]
     if ours:
-        return str(ours[-1])
+        return str(ours[0])
     lines = [line for line in str(errors[0]).splitlines() if line.strip() and not _NOISE.match(line)]
     return "\n".join(_dedent(lines))
 

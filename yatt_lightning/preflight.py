@@ -67,10 +67,18 @@ def check_weights(path: Path) -> None:
             ) from err
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(path: Path):
     """The model folder's tokenizer, or an error that names the folder and the files it needs."""
     from transformers import AutoTokenizer
 
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"`model.policy.path`: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the tokenizer "
+            "of the model into the folder (tokenizer.save_pretrained(folder))."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as err:

@@ -1,0 +1,150 @@
+"""Tier 1/3: a catalogue of bad inputs through the real CLI, each with its exit code and message.
+
+Configuration errors (exit code 2) are found before any process group or engine starts, so those cases
+run through the CLI's entry point in this process and take a second or two each; run-time errors (exit
+code 1) start a real run. Every case must end in at most 10 lines that name the key, file or line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, yatt, yatt_in_process
+
+TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+
+
+@dataclass
+class Case:
+    args: list[str]
+    match: str
+    files: dict[str, str | bytes] = field(default_factory=dict)  # written into the working directory first
+
+
+def _model_copy(tiny: Path, dest: Path, drop: tuple[str, ...] = (), truncate: str | None = None) -> str:
+    shutil.copytree(tiny, dest)
+    for name in drop:
+        (dest / name).unlink()
+    if truncate:
+        data = (dest / truncate).read_bytes()
+        (dest / truncate).write_bytes(data[:50])
+    return str(dest)
+
+
+CONFIG_CASES = {
+    # data
+    "malformed jsonl line": Case(["--data.path", "p.jsonl"], r"p\.jsonl:2: not valid JSON",
+                                 {"p.jsonl": '{"prompt": "a"}\n{"prompt": \n'}),
+    "missing prompt field": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1: no 'prompt' field \(fields: text\)",
+                                 {"p.jsonl": '{"text": "a"}\n'}),
+    "empty prompt": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1: 'prompt' must be a non-empty string",
+                         {"p.jsonl": '{"prompt": ""}\n'}),
+    "empty file": Case(["--data.path", "p.jsonl"], r"`data.path`: \S*p\.jsonl holds no rows", {"p.jsonl": ""}),
+    "not utf-8": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1", {"p.jsonl": b'{"prompt": "\xff\xfe"}\n'}),
+    "missing data file": Case(["--data.path", "nope.jsonl"], r"`data.path`: nope\.jsonl does not exist"),
+    "fewer rows than a step": Case(["--data.path", "p.jsonl", "--data.batch_size", "4"],
+                                   r"has 2 rows, fewer than one step needs .*`data.batch_size`=4",
+                                   {"p.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n'}),
+    "prompt too long": Case(["--data.path", "p.jsonl", "--data.batch_size", "1", "--model.max_prompt_tokens", "3"],
+                            r"prompt of \d+ tokens \(p\.jsonl:1\) is longer than `model.max_prompt_tokens`=3",
+                            {"p.jsonl": json.dumps({"prompt": "after a comes b and then c d e f g"}) + "\n"}),
+    # keys and values
+    "wrong type": Case(["--trainer.max_steps", "many"], r"`trainer.max_steps`: Expected a <class 'int'>"),
+    "unknown key": Case(["--model.algorithm.clip_epsilon", "0.3"],
+                        r"unknown key `model.algorithm.clip_epsilon`.*did you mean `clip_eps`\?"),
+    "yaml syntax error": Case(["--config", "bad.yaml"], r"bad\.yaml:2:1: not valid YAML", {"bad.yaml": "trainer: [max_steps: 3\n"}),
+    "config file missing": Case(["--config", "nope.yaml"], r"`--config nope\.yaml`: no such file"),
+    "clip_eps out of range": Case(["--model.algorithm.clip_eps", "-1"], r"`model.algorithm.clip_eps` must be in \(0, 1\)"),
+    "learning rate 0": Case(["--model.optimizer.lr", "0"], r"`model.optimizer.lr` must be > 0, got 0"),
+    "max_steps 0": Case(["--trainer.max_steps", "0"], r"`trainer.max_steps` is 0"),
+    "group of one with GRPO": Case(["--model.sampling.n", "1"], r"`model.sampling.n`=1 .*GRPOAdvantage.* >= 2"),
+    "sequence beyond positions": Case(["--model.sampling.max_new_tokens", "300"],
+                                      r"= 316 exceeds the model's 256 positions"),
+    # code the config names
+    "reward module missing": Case(["--model.reward_fn", "nomod.score"], r"`model.reward_fn`: cannot import module 'nomod'"),
+    "reward function missing": Case(["--model.reward_fn", "rw.nope"], r"`model.reward_fn`: module 'rw' has no function 'nope'",
+                                    {"rw.py": "def score(prompt, completion, **row):\n    return 1.0\n"}),
+    # the model folder
+    "missing model folder": Case(["--model.policy.path", "/no/such/model"], r"model folder '/no/such/model' does not exist"),
+    # parallel layouts
+    "tp does not divide heads": Case(["--trainer.strategy.tensor_model_parallel_size", "3"],
+                                     r"=3 does not divide the model's 4 attention heads"),
+    "tp does not divide kv heads": Case(["--trainer.devices", "4", "--trainer.strategy.tensor_model_parallel_size", "4"],
+                                        r"=4 does not divide the model's 2 key/value heads"),
+    "pp does not divide layers": Case(["--trainer.strategy.pipeline_model_parallel_size", "4"],
+                                      r"=4 does not divide the model's 2 layers"),
+    "tp does not divide processes": Case(["--trainer.strategy.tensor_model_parallel_size", "2"],
+                                         r"= 2 does not divide the 1 processes"),
+}  # fmt: skip
+
+
+def _run_case(case: Case, cwd: Path, extra: list[str] = ()) -> tuple[int, str]:
+    for name, content in case.files.items():
+        (cwd / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    args = case.args if case.args[:1] == ["--config"] else ["--config", TINY, *case.args]
+    return yatt_in_process(["fit", *args, *extra], cwd=cwd)
+
+
+def _assert_screen(code: int, out: str, expected_code: int, match: str) -> None:
+    import re
+
+    assert code == expected_code, out
+    assert re.search(match, out, re.S), out
+    assert len(out.strip().splitlines()) <= 10, out
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("name", CONFIG_CASES)
+def test_configuration_error(name, tmp_path):
+    code, out = _run_case(CONFIG_CASES[name], tmp_path)
+    _assert_screen(code, out, 2, CONFIG_CASES[name].match)
+
+
+@pytest.mark.parametrize(
+    ("name", "drop", "truncate", "match"),
+    [
+        ("truncated weights", (), "model.safetensors", r"model\.safetensors is not a readable safetensors file"),
+        ("no tokenizer files", ("tokenizer.json", "tokenizer_config.json"), None, r"model[/\w]* has no tokenizer files"),
+    ],
+)
+def test_broken_model_folder(name, drop, truncate, match, tmp_path, tiny_model_path):
+    folder = _model_copy(tiny_model_path, tmp_path / "model", drop=drop, truncate=truncate)
+    code, out = _run_case(Case(["--model.policy.path", folder], match), tmp_path)
+    _assert_screen(code, out, 2, match)
+
+
+REWARDS = {
+    "raises": ("return 1 / 0", r"reward function rw\.score raised ZeroDivisionError: division by zero on sample"),
+    "returns NaN": ("return float('nan')", r"reward function rw\.score returned nan \(not a finite number\)"),
+    "returns a string": ("return 'good'", r"reward function rw\.score returned 'good' \(not a finite number\)"),
+    "returns None": ("return None", r"reward function rw\.score returned None \(not a finite number\)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REWARDS)
+def test_reward_error_at_run_time(name, tmp_path):
+    body, match = REWARDS[name]
+    (tmp_path / "rw.py").write_text(textwrap.dedent(f"def score(prompt, completion, **row):\n    {body}\n"))
+    proc = yatt(
+        ["fit", "--config", TINY, "--trainer.max_steps", "2", "--model.reward_fn", "rw.score",
+         "--trainer.default_root_dir", str(tmp_path / "runs")],
+        cwd=tmp_path, timeout=300, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    import re
+
+    errors = [line for line in out.splitlines() if line.startswith("yatt: error:")]
+    assert len(errors) == 1 and re.search(match, errors[0]) and "prompt 'after " in errors[0], out
+    assert "Traceback" not in out
+    assert "full traceback is in" in out
+    assert not (tmp_path / "runs" / "grpo_tiny" / "checkpoints" / "step-00000000").exists(), (
+        "a run that failed before its first step wrote a checkpoint"
+    )
