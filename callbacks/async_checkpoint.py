@@ -8,15 +8,20 @@ every rank's writers finished and the manifest of sizes and checksums is on disk
 "checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint` for the format.
 
 Saves happen at the safe point of a step (after the optimizer step, before the next weight push):
-every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGTERM or SIGUSR1 arrives on any
-rank (the step in flight finishes, the state is saved, training stops with a log line), and at the end
-of training. On an exception it saves only when the state is consistent (no optimizer step of the
-failed RL step was taken) and every rank raised the same error, and says which it did.
+every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGINT (Ctrl-C), SIGTERM or SIGUSR1
+arrives on any rank (the step in flight finishes, the state is saved, training stops with a log line and
+exit code 128 + the signal's number: 130 for Ctrl-C), and at the end of training. A second Ctrl-C stops
+at once: the newest complete checkpoint stays ``latest`` and a save in flight is never taken for one.
+The writers are forked with those signals blocked, so a Ctrl-C that reaches the whole process group
+(a terminal's) never interrupts a write. On an exception it saves only when the state is consistent (no
+optimizer step of the failed RL step was taken), every rank raised the same error and at least one step
+was trained since the run started, and says which it did.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 import threading
@@ -33,7 +38,7 @@ from yatt_lightning.models.cpu import megatron_cpu_context
 
 log = logging.getLogger("yatt_lightning.checkpoint")
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class AsyncCheckpoint(Callback):
@@ -79,6 +84,8 @@ class AsyncCheckpoint(Callback):
         self._scheduled_step: int | None = None  # the newest step a save was started for
         self._last_save_time = time.monotonic()
         self._signal_received: int | None = None
+        self.stopped_by: int | None = None  # the signal that stopped training (its exit code is 128 + it)
+        self._start_step = 0
         self._old_handlers: dict = {}
         self._restored_rng: dict | None = None
         self._training = False
@@ -111,11 +118,20 @@ class AsyncCheckpoint(Callback):
             for sig in PREEMPTION_SIGNALS:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._last_save_time = time.monotonic()
+        self._start_step = trainer.global_step
         if trainer.ckpt_path:  # resumed: the state at this step is already saved
             self._last_saved_step = self._scheduled_step = trainer.global_step
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self._signal_received == signal.SIGINT:
+            # A second Ctrl-C: stop now. Nothing is renamed or tracked outside finalisation, so the newest
+            # complete checkpoint stays `latest`; a save in flight stays a `.tmp` that is never loaded.
+            log.warning("second Ctrl-C: stopping at once; `latest` in %s is unchanged", self.dirpath)
+            os._exit(128 + signal.SIGINT)
+        first = self._signal_received is None
         self._signal_received = signum
+        if first and signum == signal.SIGINT:
+            log.warning("Ctrl-C: finishing this step, then saving and stopping (Ctrl-C again stops at once)")
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -131,9 +147,11 @@ class AsyncCheckpoint(Callback):
             self._finalize(trainer, blocking=True)
             name = signal.Signals(self._signal_received).name if self._signal_received else "a signal on another rank"
             log.warning(
-                "preemption: received %s; saved step %d to %s; stopping training", name, step,
+                "%s: received %s; saved step %d to %s; stopping training",
+                "interrupted" if self._signal_received == signal.SIGINT else "preemption", name, step,
                 self.dirpath / ckpt.checkpoint_name(step),
             )  # fmt: skip
+            self.stopped_by = self._signal_received or signal.SIGTERM
             trainer.should_stop = True
         self.stall_seconds += time.perf_counter() - t0
 
@@ -154,6 +172,12 @@ class AsyncCheckpoint(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self._training:
             return  # failed before training started: there is nothing new to save
+        if isinstance(exception, KeyboardInterrupt):
+            log.warning("interrupted: the step in flight is not saved; `latest` in %s is unchanged", self.dirpath)
+            return
+        if trainer.global_step == self._start_step:
+            log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
+            return
         latest = ckpt.complete_checkpoints(self.dirpath) if self.dirpath else []
         newest = latest[0] if latest else None
         if getattr(pl_module, "partial_update", False):
@@ -206,8 +230,14 @@ class AsyncCheckpoint(Callback):
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._queue = AsyncCallsQueue(persistent=False)
-        with megatron_cpu_context():
-            self._queue.schedule_async_request(request)
+        # The writer is forked here: it starts with the preemption signals blocked (a Ctrl-C sent to the
+        # process group must not cut its write); this process gets any that arrived once they are unblocked.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+        try:
+            with megatron_cpu_context():
+                self._queue.schedule_async_request(request)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._pending.append((step, final))
 
     def _finalize(self, trainer, blocking: bool) -> None:
@@ -227,7 +257,7 @@ class AsyncCheckpoint(Callback):
         self._last_saved_step = step
         if trainer.is_global_zero:
             log.info("checkpoint saved: step %d at %s", step, final)
-            complete = ckpt.complete_checkpoints(self.dirpath)
+            complete = ckpt.complete_checkpoints(self.dirpath, run_id=getattr(trainer.strategy, "run_id", None))
             protect = {Path(p).resolve() for p in (getattr(trainer.strategy, "resumed_from", None),
                                                     ckpt.tracked(self.dirpath)) if p is not None}  # fmt: skip
             old = [p for p in complete[self.keep_last :] if p.resolve() not in protect]

@@ -14,6 +14,7 @@ logs and the checkpoints are, and the commands to resume and to export.
 from __future__ import annotations
 
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -148,7 +149,9 @@ class RunConsole(ProgressBar):
         steps = trainer.global_step - self._first_step
         k = min(self.summary_window, len(self._rewards))
         took = time.perf_counter() - self._started
-        lines = [f"[yatt] done: {steps} steps (now at step {trainer.global_step}), {took:.0f} s of training"]
+        stopped = next((cb.stopped_by for cb in trainer.callbacks if getattr(cb, "stopped_by", None)), None)
+        how = f"stopped by {signal.Signals(stopped).name} after" if stopped else "done:"
+        lines = [f"[yatt] {how} {steps} steps (now at step {trainer.global_step}), {took:.0f} s of training"]
         if k:
             first, last = statistics.mean(self._rewards[:k]), statistics.mean(self._rewards[-k:])
             lines.append(f"       mean reward: {first:.3f} over the first {k} steps, {last:.3f} over the last {k}")

@@ -19,14 +19,55 @@ from yatt_lightning import checkpoint as ckpt
 # ----------------------------------------------------------------------------------------- tier 1
 
 
-def _fake_checkpoint(root: Path, step: int, payload: bytes = b"x" * 100) -> Path:
+def _fake_checkpoint(root: Path, step: int, payload: bytes = b"x" * 100, run_id: str | None = None) -> Path:
     folder = root / ckpt.checkpoint_name(step)
     (folder / "weights").mkdir(parents=True)
     (folder / "weights" / "__0_0.distcp").write_bytes(payload)
     (folder / "trainer_rank0.pt").write_bytes(b"state")
     files = {rel: ckpt._describe(folder / rel) for rel in ("weights/__0_0.distcp", "trainer_rank0.pt")}
-    (folder / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "world_size": 1, "files": files}))
+    manifest = {"format": 1, "world_size": 1, "step": step, "run_id": run_id, "files": files}
+    (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
     return folder
+
+
+def test_checkpoints_are_ordered_by_step_not_file_times(tmp_path):
+    """A folder copied with `cp -r` (times reset, here the oldest step made the newest file): the newest
+    checkpoint is the highest step; with it truncated, `last` falls back to the next step down."""
+    from types import SimpleNamespace
+
+    for step in (1, 2, 3):
+        _fake_checkpoint(tmp_path, step, run_id="run-a")
+    (tmp_path / ckpt.TRACKER).write_text("step-00000003")
+    for age, step in enumerate((3, 2, 1)):  # step 1 the most recently touched
+        for f in (tmp_path / ckpt.checkpoint_name(step)).rglob("*"):
+            os.utime(f, (1_000_000 + age, 1_000_000 + age))
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000003", "step-00000002", "step-00000001"]
+    shard = tmp_path / "step-00000003" / "weights" / "__0_0.distcp"
+    shard.write_bytes(b"x" * 10)
+    strategy = SimpleNamespace(global_rank=0, world_size=1)
+    assert ckpt.resolve(strategy, tmp_path / ckpt.TRACKER).name == "step-00000002"
+
+
+def test_falling_back_stays_within_the_tracked_run(tmp_path):
+    """Two runs wrote into one folder (the second did not resume): a broken checkpoint of the tracked run
+    falls back to that run's next step down, never to the other run's higher step."""
+    from types import SimpleNamespace
+
+    _fake_checkpoint(tmp_path, 150, run_id="old")
+    _fake_checkpoint(tmp_path, 20, run_id="new")
+    _fake_checkpoint(tmp_path, 40, run_id="new")
+    (tmp_path / ckpt.TRACKER).write_text("step-00000040")
+    (tmp_path / "step-00000040" / "trainer_rank0.pt").unlink()
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path, run_id="new")] == ["step-00000040", "step-00000020"]
+    assert ckpt.resolve(SimpleNamespace(global_rank=0, world_size=1), tmp_path / ckpt.TRACKER).name == "step-00000020"
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path):
+    from types import SimpleNamespace
+
+    with pytest.raises(ckpt.CheckpointError, match=r"`--ckpt_path`: \S+nope does not exist"):
+        ckpt.resolve(SimpleNamespace(global_rank=0, world_size=1), tmp_path / "nope")
+    assert ckpt.verify(tmp_path / "nope") == [f"{tmp_path / 'nope'}: no such checkpoint folder"]
 
 
 def test_verify_detects_truncation_corruption_and_missing_files(tmp_path):

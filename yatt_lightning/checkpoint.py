@@ -13,6 +13,12 @@ the manifest, write it, ``fsync``, rename the folder to its final name and then 
 tracker (write-then-rename). A crash at any moment therefore leaves ``latest`` pointing at a checkpoint
 whose every file was written and listed; a leftover ``.tmp`` folder is never read and is removed by the
 next save. Loading verifies sizes of all files on every rank and checksums of a share of them per rank.
+
+Checkpoints are ordered by the step their manifest records, never by file times (a folder copied with
+``cp -r`` or restored from a backup behaves as the original). The manifest also records the run's
+``run_id`` (a fresh run gets a new one; a resumed run keeps the one it resumed from), so that falling
+back past a broken checkpoint and keeping the newest ``keep_last`` never mix two runs written into one
+folder.
 """
 
 from __future__ import annotations
@@ -140,7 +146,8 @@ def finalize(strategy, final: Path) -> None:
         raise CheckpointError(f"the checkpoint of {final.name} was not saved: {'; '.join(problems)}")
     if rank == 0:
         files = {k: v for part, _ in gathered for k, v in part.items()}
-        manifest = {"format": 1, "world_size": world, "files": files}
+        manifest = {"format": 1, "world_size": world, "step": step_of_name(final.name),
+                    "run_id": getattr(strategy, "run_id", None), "files": files}  # fmt: skip
         for directory in (tmp / WEIGHTS, tmp / "hf", tmp):
             _fsync_dir(directory)  # the files' names are durable before the manifest lists them
         _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -188,6 +195,8 @@ def _shared_file(path: Path, root: Path) -> bool:
 def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     """Problems found in ``folder`` (empty: complete and intact). Checks every file's size, and the
     CRC-32 of the files whose index in the manifest is ``rank`` modulo ``world``."""
+    if not Path(folder).is_dir():
+        return [f"{folder}: no such checkpoint folder"]
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         return [f"{manifest_path}: missing (the save did not finish)"]
@@ -211,12 +220,41 @@ def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     return problems
 
 
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint folders in ``directory`` that have a manifest, most recently completed first
-    (by the manifest's time, not the step: a new run in an old folder writes lower steps later)."""
-    found = [p for p in Path(directory).glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")]
+def step_of_name(name: str) -> int:
+    """The step in a checkpoint folder's name (``step-00000020`` -> 20)."""
+    return int(name.removesuffix(".tmp").split("-")[1])
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of ``folder``, or ``None`` when it is missing or unreadable."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a checkpoint holds: its manifest's record (its folder name for checkpoints written before
+    manifests recorded it)."""
+    manifest = read_manifest(folder) or {}
+    step = manifest.get("step")
+    return int(step) if isinstance(step, int) else step_of_name(Path(folder).name)
+
+
+def run_id_of(folder: Path) -> str | None:
+    """The id of the run that wrote ``folder`` (``None`` when unknown)."""
+    return (read_manifest(folder) or {}).get("run_id")
+
+
+def complete_checkpoints(directory: Path, run_id: str | None = None) -> list[Path]:
+    """Checkpoint folders in ``directory`` that have a manifest, highest step first (by the step the
+    manifest records, not file times); with ``run_id``, only that run's."""
+    found = [p for p in Path(directory).glob("step-*") if p.is_dir() and p.name.count(".") == 0]
     complete = [p for p in found if (p / MANIFEST).is_file()]
-    return sorted(complete, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name), reverse=True)
+    if run_id is not None:
+        complete = [p for p in complete if run_id_of(p) == run_id]
+    return sorted(complete, key=lambda p: (checkpoint_step(p), p.name), reverse=True)
 
 
 def resume_target(directory: Path) -> Path | None:
@@ -247,7 +285,9 @@ def resolve(strategy, path: Path) -> Path:
     if path.name == TRACKER:
         directory = path.parent
         named = tracked(directory)
-        candidates = ([named] if named is not None else []) + [c for c in complete_checkpoints(directory) if c != named]
+        lineage = run_id_of(named) if named is not None else None  # fall back within the tracked run only
+        others = [c for c in complete_checkpoints(directory, run_id=lineage) if c != named]
+        candidates = ([named] if named is not None else []) + others
         for candidate in candidates:
             problems = _verify_everywhere(strategy, candidate)
             if not problems:
@@ -259,6 +299,8 @@ def resolve(strategy, path: Path) -> Path:
         raise CheckpointError(
             f"no intact checkpoint in {directory} (tried: {', '.join(c.name for c in candidates) or 'none'})"
         )
+    if not path.exists():
+        raise CheckpointError(f"`--ckpt_path`: {path} does not exist; pass a checkpoint folder or `last`.")
     problems = _verify_everywhere(strategy, path)
     if problems:
         raise CheckpointError(

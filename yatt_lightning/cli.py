@@ -82,6 +82,11 @@ class YattCLI(LightningCLI):
         global _RUNNING
         _RUNNING = True  # from here on an error is a run-time one (exit code 1), not a configuration one
         self.trainer.fit(**kwargs)
+        from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
+
+        for callback in self.trainer.callbacks:  # stopped by Ctrl-C / SIGTERM / SIGUSR1 after saving
+            if isinstance(callback, AsyncCheckpoint) and callback.stopped_by is not None:
+                raise SystemExit(128 + int(callback.stopped_by))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's, plus :class:`~yatt_lightning.callbacks.RunConsole` as the progress bar when the config

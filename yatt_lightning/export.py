@@ -41,11 +41,16 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     if dtype not in (None, *EXPORT_DTYPES):
         raise ValueError(f"`--dtype` must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
     folder = Path(ckpt_dir)
-    if (folder / ckpt.TRACKER).is_file():
-        folder = ckpt.tracked(folder)
+    if not folder.is_dir():
+        raise ckpt.CheckpointError(f"`--ckpt_dir`: {folder} does not exist; pass a checkpoint folder or the folder of `latest`.")
+    directory = folder if (folder / ckpt.TRACKER).is_file() else None
+    if directory is not None:
+        folder = ckpt.tracked(directory)
     problems = ckpt.verify(folder)
     if problems:
-        raise ckpt.CheckpointError(f"cannot export {folder}: {'; '.join(problems[:5])}")
+        intact = [c for c in ckpt.complete_checkpoints(folder.parent) if c != folder and not ckpt.verify(c)]
+        hint = f"; the newest intact checkpoint is {intact[0]} (`--ckpt_dir {intact[0]}`)" if intact else ""
+        raise ckpt.CheckpointError(f"cannot export {folder}: {'; '.join(problems[:5])}{hint}")
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"`--out`: {out_dir} is not empty; choose a new folder.")

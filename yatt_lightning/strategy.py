@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -93,6 +94,7 @@ class MegatronStrategy(DDPStrategy):
         self.offload_params = offload_params
         self._engine_started = False
         self.resumed_from: Path | None = None
+        self.run_id = uuid.uuid4().hex  # recorded in checkpoint manifests; a resumed run keeps its run's id
         self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
         self.phase_times: dict[str, float] = {"sync": 0.0}
 
@@ -306,6 +308,7 @@ class MegatronStrategy(DDPStrategy):
         if self.is_global_zero:
             log.info("resuming from %s", folder)
         self.resumed_from = folder
+        self.run_id = ckpt.run_id_of(folder) or self.run_id
         return ckpt.load_trainer_state(self, folder)
 
     @override
