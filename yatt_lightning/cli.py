@@ -107,8 +107,20 @@ class YattCLI(LightningCLI):
     def before_fit(self) -> None:
         """``--ckpt_path last``: the ``latest`` tracker of the AsyncCheckpoint folder; the strategy loads the
         newest intact checkpoint it can find from there (and says so if it had to skip one)."""
+        from yatt_lightning import checkpoint as ckpt
+
         config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") != "last":
+        path = config.get("ckpt_path")
+        if path is not None and path != "last":
+            # Before any process group or engine: every file there, of the size its manifest lists (the
+            # checksums are verified when loading, split across the ranks).
+            problems = ckpt.verify(Path(path), rank=0, world=1 << 30)
+            if problems:
+                raise ckpt.CheckpointError(
+                    f"`--ckpt_path`: checkpoint {path} is incomplete or corrupted: {'; '.join(problems[:3])}. Pass "
+                    "another checkpoint, or `--ckpt_path last` to use the newest intact one."
+                )
+        if path != "last":
             return
         from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
 
@@ -120,9 +132,7 @@ class YattCLI(LightningCLI):
         saver = savers[0]
         if saver.dirpath is None:
             saver.setup(self.trainer, self.model, "fit")
-        from yatt_lightning.checkpoint import resume_target
-
-        target = resume_target(saver.dirpath)
+        target = ckpt.resume_target(saver.dirpath)
         if target is None:
             print(f"--ckpt_path last: no checkpoint in {saver.dirpath} yet; starting from step 0", flush=True)
         config["ckpt_path"] = None if target is None else str(target)
