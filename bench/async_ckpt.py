@@ -1,100 +1,226 @@
-"""How long does saving block the training loop: asynchronous versus synchronous checkpoints?
+"""What does an asynchronous checkpoint every k steps cost the run, next to a synchronous one?
 
 One training run of a random-initialised Qwen2-style model (``--size medium``: ~50M parameters,
-checkpoints of ~600 MB with the Adam state; ``--size small``: the ~18M built-in ``small-qwen2``, ~210 MB)
-saves in a repeating 4-step pattern: an asynchronous save, a step without a save (the writers finish
-in the background and the save is finalised at the safe point), a synchronous save, a step without a
-save. The blocked time of an asynchronous save is everything the step loop spent in checkpoint code for
-it (scheduling, the fork, finalisation); the time of a synchronous save is the whole save. Side by side
-in one run, same model, same state sizes.
+checkpoints of ~600 MB with the Adam state; ``--size small``: the ~18M built-in ``small-qwen2``, ~210 MB;
+``--smoke``: the tiny built-in model) is cut into blocks of k consecutive steps (``--every``, default 5),
+each block one arm:
 
-    python bench/async_ckpt.py [--size medium|small] [--trainer.max_steps 18]
+- ``async``: an asynchronous save after the block's first step; its writers run in the background
+  during the next steps, and it is finalised at the safe point of the step where they are done, or at
+  the end of the block at the latest (blocking, counted: the next save of a run saving every k steps
+  would wait for it there). So the block holds everything one save costs the loop: the planning and
+  the fork of the writer, the copy-on-write faults of the optimizer steps that follow while the writer
+  holds the old pages, the writer's competition for the CPU and the disk, the finalisation.
+- ``none``: the same k steps without a save.
+- ``sync``: a synchronous save after the block's first step; its duration is the synchronous save time.
 
-Last line: ``stall_ratio=<blocked time of async saves / time of sync saves>``; target below 0.2.
+After a warm-up (one async block, one sync block: the first fork, the first save), the pattern
+``async none none async sync`` repeats ``--repeats`` times (default 4): each async block is paired with
+the none block next to it (ABBA order, so a drift of the shared machine lands on both arms), and both
+arms run in the same process on the same model, state sizes and kind of batches, one right after the
+other. The weights and prompts advance between blocks, as in any run; each step's work has the same
+shapes. Between blocks, outside the timed span, older checkpoints are deleted synchronously (so no
+deletion runs during a measured block).
+
+    extra per save = median over pairs of (async block - none block)
+    stall_ratio    = extra per save / median synchronous save time
+
+    python bench/async_ckpt.py [--size medium|small] [--every 5] [--repeats 4] [--smoke] [yatt overrides]
+
+Last line: ``stall_ratio=<x>``; target <= 0.2 at the default size.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import build_cli
 from lightning.pytorch import Callback
+from typing_extensions import override
 from yatt_lightning.callbacks import AsyncCheckpoint
 
-WARMUP = 2
+from yatt_lightning import checkpoint as ckpt
+
 MEDIUM = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
           "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip
+WARMUP = ["async", "sync"]
+PATTERN = ["async", "none", "none", "async", "sync"]
 
 
-class Alternate(Callback):
-    """Runs after AsyncCheckpoint in the callback list: schedules the saves and times the loop's share."""
+@dataclass
+class Block:
+    arm: str
+    steps_s: list[float] = field(default_factory=list)  # wall time of each step, its save work included
+    steps_cpu_s: list[float] = field(default_factory=list)  # the trainer's CPU time in each step
+    steps_faults: list[int] = field(default_factory=list)  # the trainer's minor faults in each step
+    cpu_s: float = 0.0  # CPU time of the training process (all threads; copy-on-write faults count as system time)
+    minor_faults: int = 0  # of the training process: copy-on-write faults after a fork are minor faults
+    children_cpu_s: float = 0.0  # CPU time of the writer processes reaped during the block
 
-    def __init__(self, saver: AsyncCheckpoint) -> None:
-        self.saver = saver
-        self.async_blocked: list[float] = []
-        self.sync_times: list[float] = []
-        self._stall_before = 0.0
+    @property
+    def wall_s(self) -> float:
+        return sum(self.steps_s)
 
+
+def _usage() -> tuple[float, int, float]:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, me.ru_minflt, kids.ru_utime + kids.ru_stime
+
+
+class Blocks(Callback):
+    """Runs after AsyncCheckpoint in the callback list: saves as each block's arm says, times the blocks."""
+
+    def __init__(self, saver: AsyncCheckpoint, every: int, plan: list[str]) -> None:
+        self.saver, self.every, self.plan = saver, every, plan
+        self.blocks: list[Block] = []  # warm-up included
+        self.sync_s: list[float] = []  # synchronous saves (measured blocks only)
+        self.async_call_s: list[float] = []  # time inside the async save call and the safe-point finalisations
+        self._done = 0
+        self._mark = 0.0  # end of the previous step (or of the previous block's clean-up)
+        self._step_usage = (0.0, 0, 0.0)
+        self._usage_at_start = (0.0, 0, 0.0)
+        self._stall_at_start = 0.0  # the saver's own time at the safe points (its non-blocking finalisations)
+        self._call = 0.0
+
+    def _open_block(self) -> None:
+        self.blocks.append(Block(self.plan[len(self.blocks)]))
+        self._usage_at_start = self._step_usage = _usage()
+        self._stall_at_start = self.saver.stall_seconds
+        self._mark = time.perf_counter()
+
+    def _close_step(self, block: Block, now: float) -> None:
+        usage = _usage()
+        block.steps_s.append(now - self._mark)
+        block.steps_cpu_s.append(usage[0] - self._step_usage[0])
+        block.steps_faults.append(usage[1] - self._step_usage[1])
+        self._mark, self._step_usage = now, usage
+
+    @override
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self._stall_before = self.saver.stall_seconds
+        if not self.blocks:
+            self._open_block()
 
+    @override
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        finalize = self.saver.stall_seconds - self._stall_before  # the saver's own safe-point work
-        phase = (batch_idx - WARMUP) % 4
-        if batch_idx < WARMUP:
+        pos = self._done % self.every
+        self._done += 1
+        block = self.blocks[-1]
+        measured = len(self.blocks) > len(WARMUP)
+        if pos == 0 and block.arm != "none":
+            t0 = time.perf_counter()
+            self.saver.save(trainer, asynchronous=block.arm == "async")
+            self._call = time.perf_counter() - t0
+            if block.arm == "sync" and measured:
+                self.sync_s.append(self._call)
+        if pos < self.every - 1:
+            self._close_step(block, time.perf_counter())
             return
-        if phase == 1:  # the step after an async save: its finalisation belongs to that save
-            self.async_blocked[-1] += finalize
         t0 = time.perf_counter()
-        if phase == 0:
-            self.saver.save(trainer, asynchronous=True)
-            self.async_blocked.append(time.perf_counter() - t0)
-        elif phase == 2:
-            self.saver._finalize(trainer, blocking=True)  # never needed in practice; counted if it were
-            self.async_blocked[-1] += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            self.saver.save(trainer, asynchronous=False)
-            self.sync_times.append(time.perf_counter() - t1)
+        self.saver._finalize(trainer, blocking=True)  # the wait the next save would have
+        end = time.perf_counter()
+        self._close_step(block, end)
+        cpu, faults, kids = (b - a for a, b in zip(self._usage_at_start, _usage(), strict=True))
+        block.cpu_s, block.minor_faults, block.children_cpu_s = cpu, int(faults), kids
+        if block.arm == "async" and measured:
+            self.async_call_s.append(self._call + self.saver.stall_seconds - self._stall_at_start + end - t0)
+        if trainer.is_global_zero:
+            for old in ckpt.complete_checkpoints(self.saver.dirpath)[1:]:
+                ckpt.remove(old)
+        if len(self.blocks) < len(self.plan):
+            self._open_block()  # after the deletion: it is outside the timed span
+
+
+def _options(argv: list[str]) -> tuple[dict, list[str]]:
+    """Pop this bench's options from ``argv``; the rest are yatt CLI overrides."""
+    opts = {"size": "medium", "every": 5, "repeats": 4, "smoke": False}
+    rest: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--smoke":
+            opts["smoke"] = True
+        elif arg in ("--size", "--every", "--repeats"):
+            value = next(it)
+            opts[arg[2:]] = value if arg == "--size" else int(value)
+        else:
+            rest.append(arg)
+    if opts["smoke"]:
+        opts.update(size="tiny", every=3, repeats=1)
+    if opts["size"] not in ("medium", "small", "tiny"):
+        raise SystemExit(f"--size must be medium or small, got {opts['size']!r}")
+    return opts, rest
 
 
 def main() -> None:
     from yatt_lightning.models.tiny import SMALL_QWEN2, TINY_QWEN2_SHAPE, build_tiny_qwen2
 
-    args = sys.argv[1:]
-    size = "medium"
-    if "--size" in args:
-        i = args.index("--size")
-        size = args[i + 1]
-        del args[i : i + 2]
-    model = SMALL_QWEN2 if size == "small" else str(build_tiny_qwen2(shape={**TINY_QWEN2_SHAPE, **MEDIUM}))
+    opts, overrides = _options(sys.argv[1:])
+    every, repeats = opts["every"], opts["repeats"]
+    plan = WARMUP + PATTERN * repeats
+    if opts["size"] == "tiny":
+        model = "builtin:tiny-qwen2"
+    elif opts["size"] == "small":
+        model = SMALL_QWEN2
+    else:
+        model = str(build_tiny_qwen2(shape={**TINY_QWEN2_SHAPE, **MEDIUM}))
     with tempfile.TemporaryDirectory() as tmp:
         cli = build_cli(
-            ["--model.policy.path", model, "--trainer.max_steps", "18", "--data.batch_size", "8",
-             "--model.sampling.n", "4", *args]
+            ["--model.policy.path", model, "--trainer.max_steps", str(len(plan) * every), "--data.batch_size", "8",
+             "--model.sampling.n", "4", *overrides]
         )  # fmt: skip
-        saver = AsyncCheckpoint(dirpath=tmp, every_n_steps=None, keep_last=2, save_at_end=False)
-        alt = Alternate(saver)
-        cli.trainer.callbacks.extend([saver, alt])
+        saver = AsyncCheckpoint(dirpath=tmp, every_n_steps=None, keep_last=1000, save_at_end=False)
+        blocks = Blocks(saver, every, plan)
+        cli.trainer.callbacks.extend([saver, blocks])
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         if not cli.trainer.is_global_zero:
             return
-        newest = max(Path(tmp).glob("step-*"), key=lambda p: p.name)
+        newest = ckpt.complete_checkpoints(Path(tmp))[0]
         size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-    a, s = statistics.mean(alt.async_blocked), statistics.mean(alt.sync_times)
-    print(
-        f"checkpoint size: {size / 2**20:.0f} MiB; saves measured: {len(alt.async_blocked)} async, {len(alt.sync_times)} sync"
-    )
-    print(
-        f"async: loop blocked {a * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.async_blocked)})"
-    )
-    print(
-        f"sync:  loop blocked {s * 1000:8.1f} ms per save  (each: {', '.join(f'{x * 1000:.0f}' for x in alt.sync_times)})"
-    )
-    print(f"stall_ratio={a / s:.3f}", flush=True)
+    report(blocks, every, size)
+
+
+def report(blocks: Blocks, every: int, size: int) -> None:
+    measured = blocks.blocks[len(WARMUP) :]
+    per = len(PATTERN)
+    pairs = []  # (async block, none block) side by side: positions 0-1 and 3-2 of each pattern
+    sync_extra = []
+    for r in range(0, len(measured), per):
+        a1, n1, n2, a2, s = measured[r : r + per]
+        pairs += [(a1, n1), (a2, n2)]
+        sync_extra.append(s.wall_s - (n1.wall_s + n2.wall_s) / 2)
+    extras = [a.wall_s - n.wall_s for a, n in pairs]
+    extra = statistics.median(extras)
+    sync = statistics.median(blocks.sync_s)
+
+    def ms(values) -> str:
+        return ", ".join(f"{x * 1000:.0f}" for x in values)
+
+    print(f"checkpoint size: {size / 2**20:.0f} MiB; blocks of {every} steps; {len(pairs)} async/none pairs")
+    print("blocks (s): " + " ".join(f"{b.arm[0]}{b.wall_s:.2f}" for b in measured))
+    print("medians per step of the block: wall ms / the trainer's CPU ms / its minor faults (thousands)")
+    for arm in ("none", "async", "sync"):
+        these = [b for b in measured if b.arm == arm]
+        steps = [
+            f"{statistics.median(b.steps_s[i] for b in these) * 1000:.0f}/"
+            f"{statistics.median(b.steps_cpu_s[i] for b in these) * 1000:.0f}/"
+            f"{statistics.median(b.steps_faults[i] for b in these) / 1000:.0f}k"
+            for i in range(every)
+        ]
+        cpu, kids = statistics.median(b.cpu_s for b in these), statistics.median(b.children_cpu_s for b in these)
+        print(f"{arm:>5}: {'  '.join(steps)}; per block: trainer CPU {cpu:.2f} s, writer processes' CPU {kids:.2f} s")
+    mean = statistics.mean(extras)
+    print(f"async - none, per pair (ms): {ms(extras)}; median {extra * 1000:.0f}, mean {mean * 1000:.0f}")
+    print(f"sync save (ms): {ms(blocks.sync_s)}; median {sync * 1000:.0f}; sync block - its none blocks (ms): "
+          f"{ms(sync_extra)}")  # fmt: skip
+    print(f"async: time inside the save call and the finalisations per save (the old measure; ms): "
+          f"{ms(blocks.async_call_s)}")  # fmt: skip
+    print(f"totals: (sum async - sum none) / (sync x saves) = {sum(extras) / (sync * len(extras)):.3f}")
+    print(f"stall_ratio={extra / sync:.3f}", flush=True)
 
 
 if __name__ == "__main__":

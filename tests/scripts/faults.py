@@ -9,28 +9,80 @@ in the middle of the rollout (``rollout``), after the first of two optimizer ste
 checkpoint's background writers run (``save``), or after a checkpoint's manifest is written but before
 its folder is renamed (``finalize``). ``--kill sigterm:STEP`` sends SIGTERM to rank 0 only (preemption),
 ``--kill sigterm-group:STEP`` to every process of the run, checkpoint writers included (SLURM's way),
-``--kill raise:STEP`` raises an exception in the rollout. At the end it also saves the Megatron policy's
-logits for fixed token ids (OUT_DIR/logits.pt) for the export test.
+``--kill raise:STEP`` raises an exception in the rollout. ``--kill window:STEP:F`` SIGKILLs the group at a
+fraction F (0-1) of the way through the finalisation window of step STEP's checkpoint, from the start of
+the manifest's write to the ``latest`` tracker's replacement (see FinalisationWindow); rank 0 prints how
+long each finalisation and its window took. At the end it also saves the Megatron policy's logits for
+fixed token ids (OUT_DIR/logits.pt) for the export test.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from lightning.pytorch import Callback  # noqa: E402
+if __name__ == "__main__":
+    from lightning.pytorch import Callback
 
-from yatt_lightning.module import RLHFModule  # noqa: E402
+    from yatt_lightning.module import RLHFModule
+else:  # a spawned helper (the checkpoint writers' results queue) re-imports this file as `__mp_main__`:
+    Callback = RLHFModule = object  # it needs none of this, and importing torch there costs ~7 s of CPU per run
 
-KILL = {"phase": None, "step": -1}
+KILL = {"phase": None, "step": -1, "fraction": 0.0}
 
 
 def die(where: str) -> None:
-    print(f"FAULT: SIGKILL {where}", flush=True)
+    os.write(1, f"FAULT: SIGKILL {where}\n".encode())  # not print(): this may run in a signal handler
     os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class FinalisationWindow:
+    """Wraps ``checkpoint.finalize`` and ``checkpoint._write_durable``: times each finalisation on rank 0
+    and its tail from the moment the manifest starts being written (manifest, fsyncs, rename of the .tmp
+    folder, replacement of the ``latest`` tracker), and for ``--kill window:STEP:F`` SIGKILLs the group
+    F x (the median tail of this run's earlier finalisations but its first two, which are slower) into
+    the tail of step STEP's, or at its end if it is shorter. The kill comes from an interval timer: its
+    SIGALRM handler runs in the main thread between two bytecodes of the finalisation, or right after the
+    system call in progress."""
+
+    def __init__(self, ckpt) -> None:
+        self.tails_ms: list[float] = []
+        self._finalize, self._write_durable = ckpt.finalize, ckpt._write_durable
+        self._manifest = ckpt.MANIFEST
+        self._armed = False
+        self._tail_start: float | None = None
+        self._delay_ms = 0.0
+
+    def finalize(self, strategy, final) -> None:
+        step = int(Path(final).name.split("-")[1])
+        self._armed = KILL["phase"] == "window" and step == KILL["step"] and strategy.is_global_zero
+        self._tail_start = None
+        t0 = time.perf_counter()
+        self._finalize(strategy, final)
+        end = time.perf_counter()
+        if self._armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            die(f"at the end of the finalisation of step {step} (its tail was shorter than {self._delay_ms:.2f} ms)")
+        if strategy.is_global_zero and self._tail_start is not None:
+            self.tails_ms.append((end - self._tail_start) * 1000)
+            print(f"finalize of step {step} took {(end - t0) * 1000:.3f} ms, "
+                  f"{self.tails_ms[-1]:.3f} ms of them from the manifest on", flush=True)  # fmt: skip
+
+    def write_durable(self, path: Path, data: bytes, atomic: bool = False) -> None:
+        if path.name == self._manifest and self._tail_start is None:  # rank 0, in finalize
+            self._tail_start = time.perf_counter()
+            if self._armed:
+                warm = sorted(self.tails_ms[2:] or self.tails_ms or [2.0])
+                self._delay_ms = KILL["fraction"] * warm[len(warm) // 2]
+                where = (f"{self._delay_ms:.2f} ms after the manifest of step {KILL['step']} began "
+                         f"({KILL['fraction']:.2f} of {warm[len(warm) // 2]:.2f} ms)")  # fmt: skip
+                signal.signal(signal.SIGALRM, lambda signum, frame: die(where))
+                signal.setitimer(signal.ITIMER_REAL, self._delay_ms / 1000)
+        self._write_durable(path, data, atomic)
 
 
 class Faulty(RLHFModule):
@@ -107,9 +159,11 @@ def main() -> None:
     out = Path(args.pop(0))
     out.mkdir(parents=True, exist_ok=True)
     if args and args[0] == "--kill":
-        phase, step = args[1].split(":")
-        KILL.update(phase=phase, step=int(step))
+        phase, step, *fraction = args[1].split(":")
+        KILL.update(phase=phase, step=int(step), fraction=float(fraction[0]) if fraction else 0.0)
         args = args[2:]
+    window = FinalisationWindow(ckpt)  # `begin` and `finalize` look these names up when they run
+    ckpt.finalize, ckpt._write_durable = window.finalize, window.write_durable
     if KILL["phase"] == "finalize":
         original = ckpt._write_durable
 
