@@ -173,24 +173,21 @@ def main() -> None:
                 die(f"after writing the manifest of step {KILL['step']}, before the rename")
 
         ckpt._write_durable = write_then_die
-    ckpt_path = None
-    if "--ckpt_path" in args:
-        i = args.index("--ckpt_path")
-        ckpt_path = args[i + 1]
-        del args[i : i + 2]
     configure_logging()
     config = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml")
-    cli = YattCLI(
-        args=["--config", config, "--model.class_path", "__main__.Faulty", "--trainer.enable_checkpointing", "false",
-              "--trainer.logger.init_args.save_dir", str(out / "tb"), *args],
-        run=False,
+
+    class FaultsCLI(YattCLI):
+        """The real `yatt fit` (its `--ckpt_path last` included), with the recorder added."""
+
+        def before_fit(self) -> None:
+            self.trainer.callbacks.append(Recorder(out))
+            super().before_fit()
+
+    FaultsCLI(
+        args=["fit", "--config", config, "--model.class_path", "__main__.Faulty", "--trainer.enable_checkpointing",
+              "false", "--trainer.logger.init_args.save_dir", str(out / "tb"), *args],
+        console=False,  # this script's own lines stay on stdout, where the tests read them
     )  # fmt: skip
-    cli.trainer.callbacks.append(Recorder(out))
-    if ckpt_path == "last":  # what `yatt fit --ckpt_path last` does
-        saver = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AsyncCheckpoint")
-        target = ckpt.resume_target(saver.dirpath)
-        ckpt_path = None if target is None else str(target)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
 
 
 if __name__ == "__main__":
