@@ -11,10 +11,10 @@ run: install
 	$(VENV)/bin/yatt fit --config configs/grpo_tiny.yaml
 
 test: install
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
-	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check yatt_lightning callbacks datamodules tests bench

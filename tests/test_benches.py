@@ -19,6 +19,8 @@ LAST_LINE = {
     "async_ckpt.py": r"stall_ratio=(?P<stall_ratio>[\d.]+)",
     "controller_scaling.py": r"rank0_data_bytes_ratio=(?P<data>\S+) rank0_total_bytes_ratio=(?P<total>\S+)",
     "dp_balance.py": r"imbalance_before=(?P<before>\S+) imbalance_after=(?P<after>\S+) train_phase_speedup=(?P<speedup>\S+)",
+    "interrupts.py": r"interrupts=(?P<k>\d+) stopped=(?P<stopped>\d+) continued_to_max_steps=(?P<continued>\d+) "
+    r"latest_is_newest=(?P<latest>\d+) resumed_exactly=(?P<resumed>\d+) bitwise_equal_final=(?P<bitwise>\d)",
     "gpu_check.py": r"gpu_check=ok max_logit_diff=(?P<logit_diff>\S+) grad_norm=(?P<grad_norm>\S+) step_ms=\S+",
     "kill_resume.py": r"kills=(?P<kills>\d+) resumed=(?P<resumed>\d+) lost_saved_steps=(?P<lost>\d+) "
     r"corrupt_loaded=(?P<corrupt>\d+) bitwise_equal_final=(?P<bitwise>\d)",
@@ -43,6 +45,9 @@ def check(name: str, figures: dict[str, float]) -> None:
         assert f["after"] <= 1.1 and f["after"] < f["before"] and f["speedup"] > 0
     elif name == "gpu_check.py":
         assert f["logit_diff"] < 1e-4 and f["grad_norm"] > 0
+    elif name == "interrupts.py":
+        assert f["k"] >= 2 and f["stopped"] == f["latest"] == f["resumed"] == f["k"]
+        assert f["continued"] == 0 and f["bitwise"] == 1
     elif name == "kill_resume.py":
         assert f["kills"] >= 2 and f["resumed"] == f["kills"]
         assert f["lost"] == f["corrupt"] == 0 and f["bitwise"] == 1

@@ -169,7 +169,9 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("devices", "fault"), [(1, "rollout"), (2, "sigterm")], ids=["dp1-sigkill", "dp2-sigterm"])
+# A SIGKILL of a one-process run, then a resume, ending bitwise on an uninterrupted run: bench/kill_resume.py
+# at its smoke size (tests/test_benches.py), with a uniform and a finalisation-window kill.
+@pytest.mark.parametrize(("devices", "fault"), [(2, "sigterm")], ids=["dp2-sigterm"])
 def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, devices, fault):
     """Interrupted at step 4 (SIGKILL of every process, or SIGTERM to rank 0: finish the step, save, stop),
     then resumed with `--ckpt_path last`: the same weights bit for bit, the same rewards and losses, the

@@ -150,11 +150,7 @@ def test_user_model_prompts_and_reward_without_editing_the_package(tmp_path, tin
               "--model.policy.path", str(tiny_model_path), "--data.path", str(data), "--data.batch_size", "4"]  # fmt: skip
     yatt([*common, "--model.reward_fn", "my_reward.score"], cwd=tmp_path, timeout=600)
 
-    (tmp_path / "bad_reward.py").write_text("def score(prompt, completion, **row):\n    return 1 / 0\n")
-    proc = yatt([*common, "--model.reward_fn", "bad_reward.score"], cwd=tmp_path, timeout=600, check=False)
-    assert proc.returncode != 0
-    assert "bad_reward.score raised ZeroDivisionError" in proc.stderr
-    assert f"{data}:" in proc.stderr and "prompt 'after " in proc.stderr
+    # A reward function that raises: tests/test_bad_input.py::test_reward_error_at_run_time.
 
 
 @pytest.mark.slow
