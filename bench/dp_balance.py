@@ -35,7 +35,8 @@ WARMUP = 2  # steps (one pair) not measured
 
 
 class LongTailRollouts(RLHFModule):
-    """Completions with group-correlated lognormal lengths; a step pair (2k, 2k+1) repeats the same lengths."""
+    """Completions with group-correlated lognormal lengths; a step pair (2k, 2k+1) repeats the same lengths
+    (drawn per rank and batch position, so both steps of a pair train the same lengths on the same ranks)."""
 
     padded_tokens = 0  # this step's training micro-batches, on this rank
 
@@ -45,8 +46,9 @@ class LongTailRollouts(RLHFModule):
         self.padded_tokens = 0
         prompt_ids = [self.tokenize_prompt(row) for row in batch]
         completions = []
-        for row in batch:
-            g = torch.Generator().manual_seed(pair * 100_003 + row["_id"])
+        rank = self.trainer.global_rank
+        for position, _row in enumerate(batch):  # by position, not row: both steps of a pair draw the same
+            g = torch.Generator().manual_seed(pair * 100_003 + rank * 1_009 + position)
             scale = 16 * math.exp(torch.randn((), generator=g).item())  # lognormal, sigma 1
             for _ in range(n):
                 length = int(min(200, max(2, scale * math.exp(0.3 * torch.randn((), generator=g).item()))))

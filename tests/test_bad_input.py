@@ -119,6 +119,34 @@ def test_broken_model_folder(name, drop, truncate, match, tmp_path, tiny_model_p
     _assert_screen(code, out, 2, match)
 
 
+def _checkpoints(root: Path) -> Path:
+    """A checkpoint folder as AsyncCheckpoint leaves it: steps 1 and 2 intact, step 3 with a truncated shard."""
+    from yatt_lightning import checkpoint as ckpt
+
+    for step in (1, 2, 3):
+        folder = root / ckpt.checkpoint_name(step)
+        (folder / "weights").mkdir(parents=True)
+        (folder / "weights" / "__0_0.distcp").write_bytes(b"x" * 100)
+        files = {"weights/__0_0.distcp": ckpt._describe(folder / "weights" / "__0_0.distcp")}
+        (folder / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "world_size": 1, "step": step, "files": files}))
+    (root / ckpt.TRACKER).write_text(ckpt.checkpoint_name(3))
+    (root / "step-00000003" / "weights" / "__0_0.distcp").write_bytes(b"x" * 10)
+    return root
+
+
+def test_bad_checkpoint_arguments(tmp_path):
+    """`--ckpt_path` and `yatt export --ckpt_dir` naming nothing, or a truncated checkpoint, before anything starts."""
+    ckpts = _checkpoints(tmp_path / "ckpts")
+    code, out = _run_case(Case(["--ckpt_path", "nope"], ""), tmp_path)
+    _assert_screen(code, out, 2, r"`--ckpt_path`: checkpoint nope is incomplete or corrupted: nope: no such checkpoint folder")
+    code, out = _run_case(Case(["--ckpt_path", str(ckpts / "step-00000003")], ""), tmp_path)
+    _assert_screen(code, out, 2, r"__0_0\.distcp: 10 bytes, the manifest says 100 \(truncated or overwritten\)")
+    code, out = yatt_in_process(["export", "--ckpt_dir", "nope", "--out", "x"], cwd=tmp_path)
+    _assert_screen(code, out, 2, r"`--ckpt_dir`: nope does not exist")
+    code, out = yatt_in_process(["export", "--ckpt_dir", str(ckpts), "--out", "x"], cwd=tmp_path)
+    _assert_screen(code, out, 2, r"cannot export \S+step-00000003: .*truncated.*the newest intact checkpoint is \S+step-00000002")
+
+
 REWARDS = {
     "raises": ("return 1 / 0", r"reward function rw\.score raised ZeroDivisionError: division by zero on sample"),
     "returns NaN": ("return float('nan')", r"reward function rw\.score returned nan \(not a finite number\)"),

@@ -198,9 +198,7 @@ def main(args: list[str] | None = None) -> None:
         if argv[:1] == ["export"]:
             from yatt_lightning.export import main as export_main
 
-            global _RUNNING
-            _RUNNING = True
-            export_main(argv[1:])
+            export_main(argv[1:])  # its failures are about its arguments or the checkpoint: exit code 2
             return
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         _check_config_files(argv)
