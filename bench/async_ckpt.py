@@ -9,8 +9,9 @@ each block one arm:
   during the next steps, and it is finalised at the safe point of the step where they are done, or at
   the end of the block at the latest (blocking, counted: the next save of a run saving every k steps
   would wait for it there). So the block holds everything one save costs the loop: the planning and
-  the fork of the writer, the copy-on-write faults of the optimizer steps that follow while the writer
-  holds the old pages, the writer's competition for the CPU and the disk, the finalisation.
+  the copy of the state (on CPU into reused host buffers; a fork of the writer, with the copy-on-write
+  faults of the steps that follow, on GPU), the writer's competition for the CPU, the GIL and the disk,
+  the finalisation. On CPU the writer is a thread: its CPU time counts in the trainer's.
 - ``none``: the same k steps without a save.
 - ``sync``: a synchronous save after the block's first step; its duration is the synchronous save time.
 
@@ -212,7 +213,10 @@ def report(blocks: Blocks, every: int, size: int) -> None:
             for i in range(every)
         ]
         cpu, kids = statistics.median(b.cpu_s for b in these), statistics.median(b.children_cpu_s for b in these)
-        print(f"{arm:>5}: {'  '.join(steps)}; per block: trainer CPU {cpu:.2f} s, writer processes' CPU {kids:.2f} s")
+        print(
+            f"{arm:>5}: {'  '.join(steps)}; per block: trainer CPU {cpu:.2f} s, writer processes' CPU {kids:.2f} s "
+            "(forked ones only)"
+        )
     mean = statistics.mean(extras)
     print(f"async - none, per pair (ms): {ms(extras)}; median {extra * 1000:.0f}, mean {mean * 1000:.0f}")
     print(f"sync save (ms): {ms(blocks.sync_s)}; median {sync * 1000:.0f}; sync block - its none blocks (ms): "

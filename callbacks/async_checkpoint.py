@@ -1,8 +1,9 @@
 """AsyncCheckpoint: checkpoints written in the background, at safe points, on preemption, at the end.
 
-What a step waits for is the copy of the state (on CPU, a ``fork`` of the training process, whose pages
-are then copy-on-write; on GPU, Megatron's device-to-host copy) and the planning collectives; the files
-are written by Megatron-Core's asynchronous ``dist_checkpointing`` writers in another process. A
+What a step waits for is the copy of the state (on CPU, a memcpy of the tensors into host buffers reused
+from save to save, then written by a thread of the training process; on GPU, Megatron's device-to-host
+copy, then Megatron-Core's asynchronous ``dist_checkpointing`` writers in a forked process) and the
+planning collectives (see :func:`yatt_lightning.checkpoint.async_calls_queue`). A
 checkpoint becomes visible (renamed from ``.tmp``, then named by the ``latest`` tracker) only after
 every rank's writers finished and the manifest of sizes and checksums is on disk; only then is
 "checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint` for the format.
@@ -12,8 +13,9 @@ every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGINT (Ctr
 arrives on any rank (the step in flight finishes, the state is saved, training stops with a log line and
 exit code 128 + the signal's number: 130 for Ctrl-C), and at the end of training. A second Ctrl-C stops
 at once: the newest complete checkpoint stays ``latest`` and a save in flight is never taken for one.
-The writers are forked with those signals blocked, so a Ctrl-C that reaches the whole process group
-(a terminal's) never interrupts a write. On an exception it saves only when the state is consistent (no
+The writers are started with those signals blocked, so a Ctrl-C that reaches the whole process group
+(a terminal's) never interrupts a write (a forked writer never sees it; a writer thread leaves it to the
+main thread). On an exception it saves only when the state is consistent (no
 optimizer step of the failed RL step was taken), every rank raised the same error and at least one step
 was trained since the run started, and says which it did.
 """
@@ -227,11 +229,10 @@ class AsyncCheckpoint(Callback):
             self._done(trainer, step, final)
             return
         if self._queue is None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            self._queue = AsyncCallsQueue(persistent=False)
-        # The writer is forked here: it starts with the preemption signals blocked (a Ctrl-C sent to the
-        # process group must not cut its write); this process gets any that arrived once they are unblocked.
+            self._queue = ckpt.async_calls_queue()
+        # The writer (a forked process on GPU, a thread on CPU) starts here with the preemption signals
+        # blocked: a Ctrl-C sent to the process group must not cut its write, and a thread keeps the mask, so
+        # they reach the main thread's handlers. This thread gets any that arrived once they are unblocked.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         try:
             with megatron_cpu_context():

@@ -24,9 +24,12 @@ folder.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
+import queue
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -34,7 +37,8 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.models.cpu import megatron_cpu_context
+from yatt_lightning.checkpoint_writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
+from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +63,13 @@ def trainer_state_file(folder: Path, rank: int) -> Path:
 
 # ---------------------------------------------------------------------------------------------- save
 def start_write_results_queue() -> None:
-    """Start the queue through which Megatron's asynchronous writers report, served by a spawned manager
-    process. Started Megatron's way, that process keeps the default signal handlers, so a SIGTERM or SIGUSR1
-    sent to the whole process group (SLURM's time limit and ``--signal``, ``kill -TERM -<pgid>``) kills it
-    and every later save fails; this one blocks those signals and SIGINT (it ends with the training
-    process). Uses ``filesystem_async._results_queue`` of the pinned megatron-core."""
-    import functools
+    """Start the queue through which Megatron's asynchronous writers report. On CPU the writer is a thread
+    of this process (:func:`async_calls_queue`), so a plain thread-safe queue serves. On GPU it is a forked
+    process and the queue is served by a spawned manager process. Started Megatron's way, that process keeps
+    the default signal handlers, so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM's time
+    limit and ``--signal``, ``kill -TERM -<pgid>``) kills it and every later save fails; this one blocks
+    those signals and SIGINT (it ends with the training process). Uses ``filesystem_async._results_queue``
+    of the pinned megatron-core."""
     import multiprocessing
     import signal
     from multiprocessing.managers import SyncManager
@@ -72,6 +77,9 @@ def start_write_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
+        return
+    if cpu_mode():
+        filesystem_async._results_queue = queue.Queue()
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     deaf = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -82,9 +90,10 @@ def start_write_results_queue() -> None:
 def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous: bool):
     """Collective: start writing a checkpoint into ``<final>.tmp``.
 
-    Returns Megatron's ``AsyncRequest`` when ``asynchronous`` (its writers run in a forked process; the
-    caller schedules it and :func:`finalize` runs as its last finalize step), else ``None`` once the
-    files are written (the caller then calls :func:`finalize`).
+    Returns Megatron's ``AsyncRequest`` when ``asynchronous`` (the caller schedules it on
+    :func:`async_calls_queue`, whose writer runs in a forked process on GPU and in a thread on CPU, and
+    :func:`finalize` runs as its last finalize step), else ``None`` once the files are written (the
+    caller then calls :func:`finalize`).
     """
     from functools import partial
 
@@ -113,6 +122,8 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
         # Checksums are computed by the background writer, right after it wrote this rank's shards,
         # so the step loop never reads the shards back.
         write = request.async_fn
+        if write is not None and cpu_mode():
+            write = partial(_write_buckets_in_order, *write.args)  # (transforms, use_msc) of Megatron's writer
         request = request._replace(async_fn=partial(_write_and_describe, write, tmp, rank, state_bytes))
         request.add_finalize_fn(partial(finalize, strategy, final))
         return request
@@ -220,9 +231,11 @@ def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     return problems
 
 
-def step_of_name(name: str) -> int:
-    """The step in a checkpoint folder's name (``step-00000020`` -> 20)."""
-    return int(name.removesuffix(".tmp").split("-")[1])
+def step_of_name(name: str) -> int | None:
+    """The step in a checkpoint folder's name (``step-00000020`` -> 20; Lightning's ``epoch=0-step=2.ckpt``
+    -> 2), or ``None``."""
+    m = re.search(r"step[-=](\d+)", name)
+    return int(m.group(1)) if m else None
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -239,7 +252,7 @@ def checkpoint_step(folder: Path) -> int:
     manifests recorded it)."""
     manifest = read_manifest(folder) or {}
     step = manifest.get("step")
-    return int(step) if isinstance(step, int) else step_of_name(Path(folder).name)
+    return int(step) if isinstance(step, int) else (step_of_name(Path(folder).name) or 0)
 
 
 def run_id_of(folder: Path) -> str | None:
@@ -394,10 +407,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _crc32(path: Path, fsync: bool = False) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
+    crc, chunk = 0, memoryview(bytearray(1 << 22))  # one buffer per file: no fresh pages per chunk
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            crc = zlib.crc32(chunk[:n], crc)
         if fsync:  # Megatron writes some files (common.pt, metadata.json) without fsync
             os.fsync(f.fileno())
     return crc

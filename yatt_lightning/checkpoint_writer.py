@@ -1,0 +1,155 @@
+"""The writer of asynchronous checkpoints on CPU: a thread of the training process, not a fork of it.
+
+Megatron-Core's asynchronous ``dist_checkpointing`` forks the training process for each save (and forks
+again per write bucket). On CPU the trainer is ~2 GB and its next optimizer steps and weight push touch
+every page the child shares, so each is copied on write: a save then costs the run as much as a
+synchronous one. Here the step copies the tensors to write into reused host buffers
+(:class:`_HostSnapshot`, a memcpy) and a thread writes them bucket after bucket (file writes, ``fsync``
+and CRC-32 release the GIL). On GPU, Megatron's own queue (device-to-host copy, then a forked writer) is
+used unchanged. Written against megatron-core 0.16.1 (``models/cpu.py`` pins it): the position of the
+write buckets in the request's arguments, ``write_preloaded_data.__wrapped__`` and the results format.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+
+import torch
+
+from yatt_lightning.models.cpu import cpu_mode
+
+log = logging.getLogger("yatt_lightning.checkpoint")
+
+
+def async_calls_queue():
+    """Megatron's queue of asynchronous saves (at most one is in flight: the callback finalises before it
+    schedules the next). On GPU, Megatron's own: device-to-host copy in the step, then a forked writer.
+
+    On CPU a forked writer would cost the run as much as a synchronous save: the trainer is ~2 GB and its
+    next optimizer steps touch every page the child shares (parameters, gradients, Adam state), so each is
+    copied on write. Here the step instead copies the tensors to write into host buffers of its own
+    (:class:`_HostSnapshot`, a memcpy) and a thread of this process writes them, bucket after bucket
+    (file writes, ``fsync`` and CRC-32 release the GIL)."""
+    if not cpu_mode():
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue(persistent=False)
+    return _thread_calls_queue_class()()
+
+
+class _HostSnapshot:
+    """Host buffers holding a copy of the tensors of one save, reused by the next save whose tensors have
+    the same shapes (no fresh page faults in the step). On CPU, Megatron's ``preload_tensors`` returns the
+    live training tensors themselves (``tensor.to("cpu")`` copies nothing), which the steps go on updating
+    while the writer reads them; the views Megatron would clone are copied here too (cpu.py defers them)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+        self.writer: threading.Thread | None = None  # the thread that reads the buffers now
+
+    def take(self, write_buckets: list) -> list:
+        if self.writer is not None:
+            self.writer.join()  # never overwrite what a writer still reads (the callback joined it already)
+        buffers, staged = {}, []
+        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+            copies = []
+            for item, tensor in tensor_data:
+                buf = self._buffers.get(item.index)
+                if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                    buf = torch.empty(tensor.shape, dtype=tensor.dtype)
+                buffers[item.index] = buf.copy_(tensor)
+                copies.append((item, buf))
+            staged.append((file_name, storage_key, (bytes_data, copies)))
+        self._buffers = buffers
+        return staged
+
+
+@functools.cache
+def _thread_calls_queue_class() -> type:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
+
+    class ThreadAsyncCaller(AsyncCaller):
+        """Megatron's ``TemporalAsyncCaller`` (same agreement between ranks on when every rank is done)
+        with a thread for the process and :class:`_HostSnapshot` for the device-to-host copy."""
+
+        def __init__(self, snapshot: _HostSnapshot) -> None:
+            self.snapshot = snapshot
+            self.thread: threading.Thread | None = None
+
+        def schedule_async_call(self, async_req) -> None:
+            if async_req.async_fn is None:
+                return
+            args = list(async_req.async_fn_args)
+            if async_req.preload_fn:
+                args[1] = self.snapshot.take(args[1])  # the write buckets (see AsyncRequest.execute_sync)
+            # The thread inherits the caller's signal mask: the callback blocks the preemption signals here,
+            # so they are delivered to the main thread, whose handlers take them.
+            self.thread = threading.Thread(
+                target=_run_writer, args=(async_req.async_fn, args, async_req.async_fn_kwargs),
+                name="yatt-checkpoint-writer", daemon=True,
+            )  # fmt: skip
+            self.snapshot.writer = self.thread
+            self.thread.start()
+
+        def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+            is_alive = int(self.thread is not None and self.thread.is_alive())
+            is_done = not is_alive if no_dist else self.sync_all_async_calls(is_alive)
+            if is_done or blocking:
+                self.close()
+                is_done = True
+            return is_done
+
+        def close(self, abort: bool = False) -> None:
+            if self.thread is not None:
+                self.thread.join()  # a thread cannot be killed; `abort` waits too
+                self.thread = None
+
+        def __del__(self) -> None:
+            pass
+
+    class ThreadCallsQueue(AsyncCallsQueue):
+        def __init__(self) -> None:
+            super().__init__(persistent=False)
+            self.snapshot = _HostSnapshot()
+
+        def _get_async_caller(self) -> AsyncCaller:
+            return ThreadAsyncCaller(self.snapshot)
+
+    return ThreadCallsQueue
+
+
+def _run_writer(fn, args, kwargs) -> None:
+    """The writer thread. Megatron's writes report failures through the results queue and ours through
+    ``error_rank<r>.txt``; finalisation raises them on every rank. This only keeps a traceback in the log."""
+    try:
+        fn(*args, **kwargs)
+    except BaseException:
+        log.exception("the checkpoint writer thread failed")
+
+
+def _write_buckets_in_order(transform_list, use_msc, rank: int, write_buckets: list, results_queue) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` of megatron-core 0.16.1 without its fork
+    of one process per bucket: the buckets are written one after another in the calling (writer) thread,
+    each file fsynced, and the results reach ``results_queue`` in the same form (a dict of each bucket's
+    results, or the first exception)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    # Unwrapped from Megatron's `_disable_gc`, which would switch the garbage collector of the whole
+    # process off and on from this thread while the training thread runs.
+    write_bucket = FileSystemWriterAsync.write_preloaded_data.__wrapped__
+    local_results, count = queue.Queue(), queue.Queue()
+    results: dict | Exception = {}
+    for i, bucket in enumerate(write_buckets):
+        count.put(i)
+        extra = {"use_msc": use_msc} if use_msc else {}
+        write_bucket(transform_list, i, bucket, local_results, count, True, **extra)
+        idx, result = local_results.get()
+        if isinstance(result, Exception):
+            log.error("checkpoint bucket %d of rank %d failed: %s", idx, rank, result)
+            results = result
+            break
+        results[idx] = result
+    results_queue.put(results)
