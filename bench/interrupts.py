@@ -5,7 +5,7 @@ module plus a recorder of the final policy), checkpointing asynchronously every 
 ``--trainer.max_steps M``. Each run but the last gets SIGINT sent to its whole process group, as a
 terminal sends Ctrl-C to its foreground job (the run starts with SIGINT at its default disposition,
 as a terminal's foreground job has it). Half the moments come right after a "checkpoint saved" line,
-when the next save's writer is being forked; half are uniform over ``--window`` seconds of training, so
+when the next save is being scheduled (its snapshot taken, its writer started); half are uniform over ``--window`` seconds of training, so
 they land in rollouts, updates and background writes in proportion to their length. The next run
 resumes with ``--ckpt_path last``; the last runs to M and its weights are compared, bit for bit, with an
 uninterrupted run of the same M.
