@@ -109,3 +109,7 @@ def check_data(model, datamodule, trainer, tokenizer) -> None:
             model.tokenize_prompt(row)
     finally:
         model.tokenizer = previous
+    if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
+        from yatt_lightning.datamodules.prompt import PromptDataset
+
+        datamodule.dataset = PromptDataset(rows)  # checked: `setup` uses these rows instead of reading them again
