@@ -5,7 +5,9 @@ each prompt draws a scale from a lognormal (median 16 tokens, about 1 prompt in 
 median), and its samples vary around it, so a rank that draws a long prompt holds many long sequences,
 as with real reasoning prompts. Steps come in pairs that train on identical lengths, one step balanced
 and one not; the order inside a pair alternates A B, B A, A B, ... (ABBA), so drifts of a shared machine
-land on both arms. Both arms cap micro-batches by tokens; only the partition across ranks differs.
+land on both arms. Both arms cap micro-batches by tokens and pack them the same way
+(:mod:`yatt_lightning.packing`); only the partition across ranks differs. 40 measured pairs by default:
+a single pair's ratio swings by +-30% on a shared 2-core machine.
 
 What is measured is what each rank actually did: the padded tokens (samples x longest sequence of each
 micro-batch) it forwarded and backwarded in the update, after the exchange, and its own training-phase
@@ -13,7 +15,7 @@ wall time. Imbalance = max over ranks / mean over ranks of those padded tokens. 
 lasts as long as its slowest rank's (the gradient all-reduce waits for it); the speedup of a pair is
 unbalanced / balanced slowest-rank time, and the figure is the median over pairs.
 
-    python bench/dp_balance.py [--smoke] [--trainer.max_steps 42]
+    python bench/dp_balance.py [--smoke] [--trainer.max_steps 82]
 
 Last line: ``imbalance_before=<x> imbalance_after=<y> train_phase_speedup=<z>``; targets: after <= 1.05
 and speedup > 1.
@@ -111,12 +113,22 @@ def pair_speedups(records: list[dict]) -> list[float]:
     return [p[False] / p[True] for p in by_pair.values() if len(p) == 2]
 
 
+def bootstrap_interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """2.5% and 97.5% quantiles of the median over resamples of ``values`` (how far noise moves the figure)."""
+    g = torch.Generator().manual_seed(0)
+    medians = sorted(
+        statistics.median(values[i] for i in torch.randint(len(values), (len(values),), generator=g).tolist())
+        for _ in range(draws)
+    )
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def main() -> None:
     from _common import build_cli, pop_smoke
 
     argv = sys.argv[1:]
     smoke = pop_smoke(argv)
-    size = ["--trainer.max_steps", "6", "--data.batch_size", "4"] if smoke else ["--trainer.max_steps", "42"]
+    size = ["--trainer.max_steps", "6", "--data.batch_size", "4"] if smoke else ["--trainer.max_steps", "82"]
     cli = build_cli(
         ["--model.class_path", "__main__.LongTailRollouts", "--trainer.devices", "2", "--data.batch_size", "8",
          "--model.sampling.max_new_tokens", "200", "--model.max_prompt_tokens", "16",
@@ -140,6 +152,8 @@ def main() -> None:
     print(f"unbalanced: slowest rank's train phase {statistics.mean(max(r['train_s']) for r in off):.3f} s mean; "
           f"balanced: {statistics.mean(max(r['train_s']) for r in on):.3f} s; pair speedups "
           + " ".join(f"{x:.2f}" for x in speedups))  # fmt: skip
+    lo, hi = bootstrap_interval(speedups)
+    print(f"median pair speedup, 95% bootstrap interval over pairs: {lo:.3f} .. {hi:.3f} ({len(speedups)} pairs)")
     before = statistics.mean(r["imbalance"] for r in off)
     after = statistics.mean(r["imbalance"] for r in on)
     print(f"imbalance_before={before:.3f} imbalance_after={after:.3f} "

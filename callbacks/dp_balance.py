@@ -7,10 +7,13 @@ DP parts with equal counts and even token sums (Karmarkar-Karp, refined, never w
 split; :mod:`yatt_lightning.partition`), and moves each sequence to its part's rank point to point.
 Every rank computes the same split from the same lengths, so there is no coordinator. Only what
 training needs travels (token ids, engine logprobs, advantages); each owner keeps its own rollouts for
-rewards and logging, so nothing has to come back. Optionally it also caps micro-batches by tokens.
+rewards and logging, so nothing has to come back. Optionally it also caps micro-batches by tokens,
+packing each rank's sequences with the least padding (:mod:`yatt_lightning.packing`); then the split is
+kept only if it lowers the slowest rank's planned cost (padded tokens plus a fixed cost per micro-batch)
+below the unbalanced one's, so the exchange is skipped where it would not pay.
 
-It logs ``balance/imbalance_before`` and ``balance/imbalance_after`` (max over mean tokens per rank)
-each step. With one DP rank it does nothing.
+Each step's ``balance/imbalance_before``, ``balance/imbalance_after`` (max over mean tokens per rank)
+and ``balance/bytes_received`` are logged with the step's metrics. With one DP rank it does nothing.
 """
 
 from __future__ import annotations
@@ -20,27 +23,41 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.collectives import exchange_objects
+from yatt_lightning.collectives import exchange_tensors
+from yatt_lightning.packing import pack_by_tokens, packed_cost
 from yatt_lightning.partition import balanced_partition
-
-_MOVED = ("prompt_ids", "completion_ids", "rollout_logprobs", "finish_reasons")
 
 
 class DPLoadBalancer(Callback):
     """Args:
     max_tokens_per_micro_batch: Cap on a micro-batch's padded tokens (samples x longest sequence);
         ``None`` keeps ``model.micro_batch_size`` samples per micro-batch.
+    micro_batch_overhead_tokens: The fixed cost of one more micro-batch, in tokens of compute: the packer
+        splits a micro-batch where the padding saved exceeds it. 256 is what one micro-batch of the tiny
+        model costs on a CPU core (bench/RESULTS.md, dp_balance); large models on GPUs, where small
+        micro-batches waste the device, want more.
     enabled: Rebalance at all (``False`` only measures and logs the imbalance).
     """
 
-    def __init__(self, max_tokens_per_micro_batch: int | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        max_tokens_per_micro_batch: int | None = None,
+        micro_batch_overhead_tokens: int = 256,
+        enabled: bool = True,
+    ) -> None:
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ValueError(
                 f"`DPLoadBalancer.max_tokens_per_micro_batch` must be >= 1, got {max_tokens_per_micro_batch}."
             )
+        if micro_batch_overhead_tokens < 0:
+            raise ValueError(
+                f"`DPLoadBalancer.micro_batch_overhead_tokens` must be >= 0, got {micro_batch_overhead_tokens}."
+            )
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.micro_batch_overhead_tokens = micro_batch_overhead_tokens
         self.enabled = enabled
         self.last: dict[str, float] = {}
+        self.moved = False  # whether the last step's sequences were exchanged
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -62,44 +79,74 @@ class DPLoadBalancer(Callback):
         weights = torch.cat(every).tolist()
         n = len(mine)
         per_rank_before = [float(t.sum()) for t in every]
-        parts = (
-            balanced_partition(weights, dp) if self.enabled else [list(range(r * n, (r + 1) * n)) for r in range(dp)]
-        )
+        unmoved = [list(range(r * n, (r + 1) * n)) for r in range(dp)]
+        parts = balanced_partition(weights, dp) if self.enabled else unmoved
+        if self.enabled and self._planned_cost(weights, unmoved) <= self._planned_cost(weights, parts):
+            parts = unmoved  # the split would not shorten the slowest rank's plan: keep the rows, skip the exchange
+        self.moved = parts is not unmoved
         per_rank_after = [float(sum(weights[i] for i in p)) for p in parts]
         self.last = {
             "balance/imbalance_before": max(per_rank_before) / (sum(per_rank_before) / dp),
             "balance/imbalance_after": max(per_rank_after) / (sum(per_rank_after) / dp),
+            "balance/bytes_received": 0.0,
         }
-        module.log_dict(self.last, on_step=True, on_epoch=False, rank_zero_only=True)
-        if not self.enabled:
-            return rollouts
-        outgoing = [
-            [self._sample(rollouts, i - me * n, i) for i in sorted(p) if me * n <= i < (me + 1) * n] for p in parts
-        ]
-        received, nbytes = exchange_objects(outgoing, group=group)
-        self.last["balance/bytes_received"] = nbytes
-        samples = sorted((s for chunk in received for s in chunk), key=lambda s: s["id"])
-        return self._batch(samples)
+        if self.moved:
+            mine_ids = range(me * n, (me + 1) * n)
+            outgoing = [self._pack(rollouts, [i - me * n for i in sorted(p) if i in mine_ids], me * n) for p in parts]
+            received, nbytes = exchange_tensors(outgoing, group=group)
+            self.last["balance/bytes_received"] = float(nbytes)
+            rollouts = self._unpack(received)
+        return rollouts  # the step's metrics (yatt_lightning.step_metrics) log self.last
+
+    def _planned_cost(self, weights: list[int], parts: list[list[int]]) -> tuple[float, float]:
+        """The slowest rank's packed cost under ``parts`` (0 when micro-batches are not capped by tokens),
+        then its token sum (the tie-breaker)."""
+        tokens = max(sum(weights[i] for i in p) for p in parts)
+        if not self.max_tokens_per_micro_batch:
+            return (0.0, tokens)
+        overhead = self.micro_batch_overhead_tokens
+        costs = []
+        for p in parts:
+            lengths = [weights[i] for i in p]
+            plan = pack_by_tokens(lengths, self.max_tokens_per_micro_batch, overhead)
+            costs.append(packed_cost(lengths, plan, overhead))
+        return (max(costs), tokens)
 
     @staticmethod
-    def _sample(rollouts: RolloutBatch, local: int, global_id: int) -> dict:
-        sample = {key: getattr(rollouts, key)[local] for key in _MOVED}
-        sample["id"] = global_id
-        sample["advantage"] = float(rollouts.advantages[local])
-        sample["reward"] = float(rollouts.rewards[local])
-        return sample
+    def _pack(rollouts: RolloutBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:
+        """The training fields of samples ``local`` as flat tensors (global ids = ``offset`` + local)."""
+        ids = [rollouts.prompt_ids[i] + rollouts.completion_ids[i] for i in local]
+        return {
+            "tokens": torch.tensor([t for seq in ids for t in seq], dtype=torch.long),
+            "lengths": torch.tensor([[len(rollouts.prompt_ids[i]), len(rollouts.completion_ids[i])] for i in local],
+                                    dtype=torch.long).reshape(-1, 2),
+            "logprobs": torch.cat([rollouts.rollout_logprobs[i].float() for i in local]) if local else torch.zeros(0),
+            "scalars": torch.tensor([[offset + i, float(rollouts.advantages[i]), float(rollouts.rewards[i])]
+                                     for i in local], dtype=torch.float64).reshape(-1, 3),
+        }  # fmt: skip
 
     @staticmethod
-    def _batch(samples: list[dict]) -> RolloutBatch:
+    def _unpack(received: list[dict[str, torch.Tensor]]) -> RolloutBatch:
+        """One batch of the samples received from every rank, in global id order."""
+        samples = []
+        for part in received:
+            tokens, logprobs = part["tokens"].tolist(), part["logprobs"]
+            at = lp_at = 0
+            for (p, c), (gid, adv, reward) in zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True):
+                samples.append((int(gid), tokens[at : at + p], tokens[at + p : at + p + c], logprobs[lp_at : lp_at + c],
+                                adv, reward))  # fmt: skip
+                at, lp_at = at + p + c, lp_at + c
+        samples.sort(key=lambda s: s[0])
+        k = len(samples)
         return RolloutBatch(
-            prompts=[""] * len(samples),
-            prompt_ids=[s["prompt_ids"] for s in samples],
-            completion_ids=[s["completion_ids"] for s in samples],
-            completions=[""] * len(samples),
+            prompts=[""] * k,
+            prompt_ids=[s[1] for s in samples],
+            completion_ids=[s[2] for s in samples],
+            completions=[""] * k,
             rows=[{} for _ in samples],
-            group_ids=torch.tensor([s["id"] for s in samples]),
-            rollout_logprobs=[s["rollout_logprobs"] for s in samples],
-            finish_reasons=[s["finish_reasons"] for s in samples],
-            rewards=torch.tensor([s["reward"] for s in samples]),
-            advantages=torch.tensor([s["advantage"] for s in samples]),
+            group_ids=torch.tensor([s[0] for s in samples], dtype=torch.long),
+            rollout_logprobs=[s[3] for s in samples],
+            finish_reasons=[""] * k,  # not needed by the update; the owner keeps the real ones for logging
+            rewards=torch.tensor([s[5] for s in samples], dtype=torch.float),
+            advantages=torch.tensor([s[4] for s in samples], dtype=torch.float),
         )

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from yatt_lightning.packing import pack_by_tokens
+
 
 @dataclass
 class RolloutBatch:
@@ -109,22 +111,14 @@ class RolloutBatch:
     def sequence_lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
 
-    def plan_by_tokens(self, indices: list[int], token_budget: int, pad_to_multiple: int = 8) -> list[list[int]]:
-        """Group ``indices`` into micro-batches whose padded size (samples x longest) fits ``token_budget``.
-
-        Longest first, so each micro-batch holds sequences of similar length (little padding); a
-        sequence longer than the budget gets a micro-batch of its own.
-        """
+    def plan_by_tokens(
+        self, indices: list[int], token_budget: int, overhead_tokens: int = 256, pad_to_multiple: int = 8
+    ) -> list[list[int]]:
+        """Group ``indices`` into micro-batches whose padded size (samples x longest) fits ``token_budget``,
+        with the least padding plus ``overhead_tokens`` per micro-batch (:func:`~yatt_lightning.packing.pack_by_tokens`)."""
         lengths = self.sequence_lengths()
-        plan: list[list[int]] = []
-        longest: list[int] = []
-        for i in sorted(indices, key=lambda i: lengths[i], reverse=True):
-            if plan and (len(plan[-1]) + 1) * longest[-1] <= token_budget:
-                plan[-1].append(i)
-            else:
-                plan.append([i])
-                longest.append(-(-lengths[i] // pad_to_multiple) * pad_to_multiple)
-        return plan
+        plan = pack_by_tokens([lengths[i] for i in indices], token_budget, overhead_tokens, pad_to_multiple)
+        return [[indices[j] for j in mb] for mb in plan]
 
     def microbatches(
         self,

@@ -35,3 +35,34 @@ def exchange_objects(outgoing: list, group=None) -> tuple[list, int]:
         received.append(pickle.loads(recv[offset : offset + n].numpy().tobytes()))
         offset += n
     return received, int(recv_sizes.sum() - recv_sizes[me])
+
+
+def exchange_tensors(outgoing: list[dict[str, torch.Tensor]], group=None) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """All-to-all of tensors, no pickling: ``outgoing[d]`` (a dict of tensors) goes to the group's rank ``d``.
+
+    Every rank sends the same keys with the same dtypes and trailing shapes; only the first dimension
+    may differ. Returns the dicts received (index = source rank) and the bytes received from others.
+    One ``all_to_all_single`` for the sizes, then one per key.
+    """
+    size = torch.distributed.get_world_size(group)
+    me = torch.distributed.get_rank(group)
+    if len(outgoing) != size:
+        raise ValueError(f"exchange_tensors: {len(outgoing)} outgoing dicts for a group of {size}")
+    keys = sorted(outgoing[0])
+    send_sizes = torch.tensor([[len(o[k]) for k in keys] for o in outgoing], dtype=torch.long)
+    recv_sizes = torch.empty_like(send_sizes)
+    torch.distributed.all_to_all_single(recv_sizes, send_sizes, group=group)
+    received: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    nbytes = 0
+    for j, key in enumerate(keys):
+        send = torch.cat([o[key] for o in outgoing]).contiguous()
+        counts = recv_sizes[:, j].tolist()
+        recv = torch.empty((sum(counts), *send.shape[1:]), dtype=send.dtype)
+        torch.distributed.all_to_all_single(
+            recv, send, output_split_sizes=counts, input_split_sizes=send_sizes[:, j].tolist(), group=group
+        )
+        for src, part in enumerate(torch.split(recv, counts)):
+            received[src][key] = part
+            if src != me:
+                nbytes += part.numel() * part.element_size()
+    return received, nbytes

@@ -433,7 +433,8 @@ class RLHFModule(pl.LightningModule):
     def microbatches(self, rollouts: RolloutBatch, indices: list[int]) -> list[dict]:
         """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
         budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
-        plan = rollouts.plan_by_tokens(indices, budget) if budget else None
+        overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
+        plan = rollouts.plan_by_tokens(indices, budget, overhead) if budget else None
         return rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)
 
     def _logprob_mismatch(self, rollouts: RolloutBatch) -> float:

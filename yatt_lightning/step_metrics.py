@@ -66,6 +66,8 @@ def log_step(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> 
     if module.dynamic_sampling is not None:
         metrics.update(module.dynamic_sampling.last)
     metrics.update(getattr(module.long_tail, "last", {}))
+    if module.balancer is not None:
+        metrics.update(module.balancer.last)
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics.update(_per_rank(strategy, times))
     module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=max(int(count), 1))
