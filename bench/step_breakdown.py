@@ -73,7 +73,7 @@ def main() -> None:
     )
     for rank, gb in enumerate(rec.peak_rss_gb):
         print(f"rank {rank}: peak resident memory {gb:.2f} GiB")
-    kv = getattr(cli.trainer.strategy.engine, "kv_cache_bytes", 0)
+    kv = getattr(cli.trainer.strategy.engine, "kv_cache_bytes", 0) or 0
     print(f"engine KV cache: {kv / 2**20:.0f} MiB (sized from the config)")
     parts = " ".join(f"{k}={v:.3f}" for k, v in shares.items())
     print(f"{parts} peak_rss_gb_max={max(rec.peak_rss_gb):.2f}", flush=True)

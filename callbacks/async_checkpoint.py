@@ -36,6 +36,7 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from yatt_lightning import checkpoint as ckpt
+from yatt_lightning.failures import RankFailure
 from yatt_lightning.models.cpu import megatron_cpu_context
 
 log = logging.getLogger("yatt_lightning.checkpoint")
@@ -189,7 +190,7 @@ class AsyncCheckpoint(Callback):
                 type(exception).__name__, trainer.global_step, newest,
             )  # fmt: skip
             return
-        if trainer.world_size > 1 and not getattr(exception, "raised_on_every_rank", False):
+        if trainer.world_size > 1 and not (isinstance(exception, RankFailure) and exception.agreed):
             log.error(
                 "not saving after %s: other ranks may not be able to take part in a save. The newest complete "
                 "checkpoint is %s.", type(exception).__name__, newest,

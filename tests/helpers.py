@@ -79,3 +79,28 @@ def yatt_in_process(args: list[str], *, cwd: Path) -> tuple[int, str]:
     finally:
         os.chdir(before)
     return code, out.getvalue()
+
+
+def spawn_gloo(target, world: int = 2, timeout: float = 120) -> dict:
+    """Run ``target(rank, port, queue)`` in ``world`` spawned processes (each joins a gloo group on
+    ``port`` and puts ``(rank, result)`` on ``queue``); returns {rank: result}, under a timeout."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert all(proc.exitcode == 0 for proc in procs)
+    return results

@@ -26,6 +26,7 @@ LAST_LINE = {
     r"corrupt_loaded=(?P<corrupt>\d+) bitwise_equal_final=(?P<bitwise>\d)",
     "learning.py": r"learning_min_margin=(?P<margin>\S+)",
     "placement.py": r"partial_over_full=(?P<ratio>\S+)",
+    "step_efficiency.py": r"rollout_over_bare_vllm=(?P<r>\S+) train_over_bare_megatron=(?P<t>\S+) overhead_share=(?P<o>\S+)",
     "step_breakdown.py": r"rollout=\S+ sync=\S+ reward=\S+ train=(?P<train>\S+) other=\S+ peak_rss_gb_max=(?P<rss>\S+)",
 }
 # Benches whose smoke size another test runs (with stronger assertions than a smoke test makes).
@@ -55,6 +56,8 @@ def check(name: str, figures: dict[str, float]) -> None:
         assert f["margin"] > 0  # a deterministic run: 12 steps already raise the reward
     elif name == "placement.py":
         assert f["ratio"] > 0
+    elif name == "step_efficiency.py":  # one measured step of 16 tokens: only the sense of the figures holds
+        assert f["r"] > 0.5 and f["t"] > 0.5 and 0 <= f["o"] < 1
     elif name == "step_breakdown.py":
         assert 0 < f["train"] < 1 and f["rss"] < 3
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import spawn_gloo
 from yatt_lightning import wire
 
 
@@ -79,7 +78,7 @@ def _rank_main(rank: int, port: int, queue) -> None:
     dist.all_reduce(_f32(1024))  # not counted any more
     after = wire.snapshot()
     dist.destroy_process_group()
-    queue.put((rank, counted, after))
+    queue.put((rank, (counted, after)))
 
 
 def test_two_ranks_count_exact_bytes_per_category():
@@ -89,22 +88,7 @@ def test_two_ranks_count_exact_bytes_per_category():
     gradients: all_reduce of 4096 B = 2 * 1/2 * 4096 each way;
     control: all_to_all_single of 64 B (half stays), send/recv of 64 B, a barrier (0 B)."""
     p = len(pickle.dumps(b"x" * 300))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict((rank, (counted, after)) for rank, counted, after in (queue.get(timeout=120) for _ in procs))
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert all(proc.exitcode == 0 for proc in procs)
+    results = spawn_gloo(_rank_main)
     (c0, a0), (c1, a1) = results[0], results[1]
     assert (c0.sent["rollout"], c0.received["rollout"]) == (4000 + 8, 8 + p)
     assert (c1.sent["rollout"], c1.received["rollout"]) == (8 + p, 4000 + 8)

@@ -132,8 +132,8 @@ class RolloutBatch:
         each, or following ``plan`` (lists of sample indices) when given.
 
         Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
-        completion token), ``sample_index [b]`` and, where known, ``old_logprobs``, ``ref_logprobs``
-        ``[b, s-1]`` and ``advantages [b]``.
+        completion token), ``sample_index [b]``, ``rollout_logprobs`` (the engine's) and, where known,
+        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages [b]``.
         """
         out = []
         chunks = plan or [indices[s : s + micro_batch_size] for s in range(0, len(indices), micro_batch_size)]
@@ -142,7 +142,9 @@ class RolloutBatch:
             seq = -(-longest // pad_to_multiple) * pad_to_multiple
             ids = torch.full((len(chunk), seq), pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), seq - 1), dtype=torch.float)
-            per_token = {k: torch.zeros((len(chunk), seq - 1)) for k in ("old_logprobs", "ref_logprobs")}
+            per_token = {
+                k: torch.zeros((len(chunk), seq - 1)) for k in ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+            }
             for row, i in enumerate(chunk):
                 p, c = self.prompt_ids[i], self.completion_ids[i]
                 ids[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)

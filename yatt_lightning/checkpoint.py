@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from yatt_lightning import failures
 from yatt_lightning.checkpoint_writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
 from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
@@ -137,8 +138,9 @@ def finalize(strategy, final: Path) -> None:
     tmp = final.with_name(final.name + ".tmp")
     rank, world = strategy.global_rank, strategy.world_size
     partial_manifest = tmp / f"manifest_rank{rank}.json"
+    error = None
     try:
-        entries, problem = json.loads(partial_manifest.read_text()), None
+        entries = json.loads(partial_manifest.read_text())
         partial_manifest.unlink()
         if rank == 0:  # files written once, by rank 0, in Megatron's finalisation or before the save
             shared = [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
@@ -146,17 +148,15 @@ def finalize(strategy, final: Path) -> None:
     except (OSError, ValueError) as err:  # every rank must hear of it: the others wait in the gather below
         error_file = tmp / f"error_rank{rank}.txt"
         cause = error_file.read_text() if error_file.is_file() else f"{type(err).__name__}: {err}"
-        entries, problem = {}, f"rank {rank}: {cause}"
+        error = CheckpointError(f"the checkpoint of {final.name} was not saved: rank {rank}: {cause}")
+    failures.agree(error)  # nothing is renamed or tracked unless every rank wrote its part
     gathered = [None] * world
     if world > 1:
-        torch.distributed.all_gather_object(gathered, (entries, problem))
+        torch.distributed.all_gather_object(gathered, entries)
     else:
-        gathered = [(entries, problem)]
-    problems = [p for _, p in gathered if p]
-    if problems:
-        raise CheckpointError(f"the checkpoint of {final.name} was not saved: {'; '.join(problems)}")
+        gathered = [entries]
     if rank == 0:
-        files = {k: v for part, _ in gathered for k, v in part.items()}
+        files = {k: v for part in gathered for k, v in part.items()}
         manifest = {"format": 1, "world_size": world, "step": step_of_name(final.name),
                     "run_id": getattr(strategy, "run_id", None), "files": files}  # fmt: skip
         for directory in (tmp / WEIGHTS, tmp / "hf", tmp):

@@ -26,6 +26,7 @@ import torch
 
 from yatt_lightning import wire
 from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.failures import fail_together
 from yatt_lightning.rollout.base import Completion, SamplingConfig
 
 ScoreFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
@@ -100,7 +101,7 @@ class ParallelController(Controller):
         head = torch.distributed.get_process_group_ranks(group)[0]
         is_head = torch.distributed.get_rank() == head
         scores = torch.empty(len(rollouts))
-        with self.strategy.fail_together():  # every rank must hear of a failure before the broadcast below
+        with fail_together():  # every rank must hear of a failure before the broadcast below
             if is_head:
                 scores = score_fn(*local).float()
         with wire.category("rollout"):
@@ -150,7 +151,7 @@ class SingleController(Controller):
         if keep < len(prompts):
             raise ValueError("`model.long_tail`: over-provisioning is not supported with the SingleController.")
         if self.driver_loads_rows:
-            with self.strategy.fail_together():  # before the gather below, where the other ranks would wait
+            with fail_together():  # before the gather below, where the other ranks would wait
                 if _rank() == 0 and self._loaded is None:
                     raise ValueError(
                         "`trainer.strategy.controller.driver_loads_rows`: the datamodule did not hand the driver "
@@ -179,7 +180,7 @@ class SingleController(Controller):
     def score(self, rollouts, score_fn):
         # The driver scores everything from what it has held since generate(): nothing travels to it here.
         parts = None
-        with self.strategy.fail_together():  # the other ranks wait in the scatter below: tell them first
+        with fail_together():  # the other ranks wait in the scatter below: tell them first
             if self._held is not None:
                 held, self._held = self._held, None
                 parts = [score_fn(rollouts.prompts, rollouts.completions, rollouts.rows)]

@@ -64,8 +64,11 @@ def raised_by_us(err: BaseException) -> bool:
 def root_cause(err: BaseException) -> BaseException:
     """The outermost exception raised by yatt-lightning in ``err``'s chain (the one written for the user:
     ``raise ValueError("`key` ...") from err``), or the innermost one when none is ours."""
+    from yatt_lightning.failures import RankFailure
+
     errors = chain(err)
-    ours = [e for e in errors if raised_by_us(e)]
+    # An agreed failure chained to this rank's own error shows that error; elsewhere it names the origin.
+    ours = [e for e in errors if raised_by_us(e) and not (isinstance(e, RankFailure) and e.__cause__ is not None)]
     return ours[0] if ours else errors[-1]
 
 

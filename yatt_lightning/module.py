@@ -21,6 +21,7 @@ from typing_extensions import override
 from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
 from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.failures import RankFailure, agree, fail_together
 from yatt_lightning.longtail import LongTailPolicy, PartialRollout, WaitForAll
 from yatt_lightning.models.logprobs import token_entropy, token_logprobs
 from yatt_lightning.models.spec import ModelSpec
@@ -212,7 +213,7 @@ class RLHFModule(pl.LightningModule):
             if len(rollouts):  # partial rollout: no group may have finished on some rank this step
                 rollouts.rewards = self.reward(rollouts)
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
-            if getattr(err, "raised_on_every_rank", False):
+            if isinstance(err, RankFailure) and err.agreed:
                 raise  # already collective: every rank raises it at the same point
             error = err
         strategy.finish_scoring(error)
@@ -302,11 +303,16 @@ class RLHFModule(pl.LightningModule):
             with wire.category("rollout"):
                 rollouts = self.balancer.rebalance(self, rollouts)
         everything = list(range(len(rollouts)))
-        rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
+        if self.ppo_epochs * len(mini_batch_slices(len(rollouts), self.mini_batches)) > 1:
+            # More than one optimizer step per rollout batch: later ones need the logprobs from before the first.
+            rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
+        # Otherwise the step is exactly on-policy: the training forward's own logprobs, detached, are the old
+        # ones (``_loss_fn``), which saves a forward pass over every token.
         if self.reference is not None:
             rollouts.ref_logprobs = self.compute_logprobs(self.reference, rollouts, everything)
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
+        first_forward, forward_diff = True, 0.0  # engine/policy agreement, from the first (pre-update) forward
         optimizer = self.optimizers()
         shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
         for _ in range(self.ppo_epochs):
@@ -319,6 +325,9 @@ class RLHFModule(pl.LightningModule):
                 for out in outputs:
                     for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
                         sums[key] += value
+                    if first_forward:
+                        forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
+                first_forward = False
                 self._check_finite(outputs)
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
                 with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
@@ -327,7 +336,9 @@ class RLHFModule(pl.LightningModule):
         self.partial_update = False
         stats = self._reduce_token_metrics(sums)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        stats["logprob_diff_max"] = self._logprob_mismatch(rollouts)
+        stats["logprob_diff_max"] = (
+            self._logprob_mismatch(rollouts) if rollouts.old_logprobs is not None else forward_diff
+        )
         return stats
 
     def commit_step_state(self) -> None:
@@ -341,7 +352,7 @@ class RLHFModule(pl.LightningModule):
     def tokenize_batch(self, batch: list[dict]) -> list[list[int]]:
         """Prompt token ids of this rank's rows. Collective: a prompt that fails to tokenize (too long, say)
         on one rank raises on every rank, before any rank enters the rollout's collectives."""
-        with self.trainer.strategy.fail_together():
+        with fail_together():
             return [self.tokenize_prompt(row) for row in batch]
 
     # ------------------------------------------------------------------ hooks
@@ -387,6 +398,9 @@ class RLHFModule(pl.LightningModule):
         logits = logits[:, :-1]
         logprobs = token_logprobs(logits, mb["input_ids"][:, 1:], self.sampling.temperature)
         mask = mb["loss_mask"]
+        if "old_logprobs" not in mb:  # on-policy: the behaviour policy is the current one
+            mb = {**mb, "old_logprobs": logprobs.detach()}
+        diff = ((logprobs.detach() - mb["rollout_logprobs"]).abs() * mask).max() if mask.any() else torch.zeros(())
         per_token, metrics = self.loss(logprobs, mb)
         metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
         loss_sum = (per_token * mask).sum()
@@ -395,19 +409,26 @@ class RLHFModule(pl.LightningModule):
         finite = torch.isfinite(loss_sum)
         if not finite:  # keep the schedule going so every rank reaches the check after it
             loss_sum = torch.nan_to_num(loss_sum) * 0
-        return loss_sum, num_tokens, {"metrics": torch.stack([v.detach().float() for v in row]), "finite": finite}
+        return (
+            loss_sum,
+            num_tokens,
+            {
+                "metrics": torch.stack([v.detach().float() for v in row]),
+                "finite": finite,
+                "logprob_diff_max": diff,
+            },
+        )
 
     def _check_finite(self, outputs: list[dict]) -> None:
-        bad = torch.tensor([float(sum(1 for o in outputs if not bool(o["finite"])))])
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(bad)
-        if bad.item() > 0:
+        """Collective: a NaN/inf loss on any rank stops every rank (:func:`~yatt_lightning.failures.agree`)."""
+        bad = sum(1 for o in outputs if not bool(o["finite"]))
+        error = None
+        if bad:
             error = NonFiniteLossError(
-                f"the policy loss is NaN/inf at step {self.trainer.global_step} ({int(bad.item())} micro-batches). "
+                f"the policy loss is NaN/inf at step {self.trainer.global_step} ({bad} micro-batches). "
                 "Check the rewards (finite?), lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
             )
-            error.raised_on_every_rank = True  # the count above was all-reduced
-            raise error
+        agree(error)
 
     def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
         """Per-sample logprobs of the completion tokens under ``model`` (forward only)."""

@@ -79,9 +79,6 @@ class Placement:
 class FullColocation(Placement):
     """Rollout, GenRM and training in series, each on every rank."""
 
-    def check(self, strategy) -> None:
-        pass
-
     def start_engines(self, strategy, module) -> None:
         strategy.start_policy_engine()
         spec = module.rollout_engine_spec()

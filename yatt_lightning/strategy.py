@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from yatt_lightning import failures
 from yatt_lightning.controller import Controller, ParallelController
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
@@ -52,8 +53,6 @@ class MegatronStrategy(DDPStrategy):
             memory (gradients and optimizer state always move). Ignored on CPU.
         timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
     """
-
-    strategy_name = "megatron"
 
     def __init__(
         self,
@@ -250,8 +249,10 @@ class MegatronStrategy(DDPStrategy):
         """Collective end of the rollout + reward phase: raises everywhere if any rank failed; the time
         spent here waiting for slower ranks counts as this rank's idle time."""
         t0 = time.perf_counter()
-        self.raise_if_any_rank_failed(error)
-        self.placement.idle += time.perf_counter() - t0
+        try:
+            failures.agree(error)
+        finally:
+            self.placement.idle += time.perf_counter() - t0
 
     def all_reduce_min_max(self, values: list[float]) -> tuple[list[float], list[float]]:
         """(min over ranks, max over ranks) of each value."""
@@ -261,29 +262,6 @@ class MegatronStrategy(DDPStrategy):
             torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
             torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
         return low.tolist(), high.tolist()
-
-    # ------------------------------------------------------------------ failures on one rank
-    @contextlib.contextmanager
-    def fail_together(self) -> Iterator[None]:
-        """Collective: run the block on this rank, then raise on every rank if it raised on any (before the
-        collectives that follow, which the failed rank would never reach)."""
-        error = None
-        try:
-            yield
-        except Exception as err:
-            error = err
-        self.raise_if_any_rank_failed(error)
-
-    def raise_if_any_rank_failed(self, error: BaseException | None) -> None:
-        """Collective: if any rank hit an error, raise on every rank (so none waits forever in a collective)."""
-        flag = torch.tensor([0.0 if error is None else 1.0])
-        if self.world_size > 1:
-            torch.distributed.all_reduce(flag)
-        if error is None and flag.item() > 0:
-            error = RuntimeError("another rank failed; its error is in that rank's log")
-        if error is not None:
-            error.raised_on_every_rank = True  # every rank raises here: collectives (a save) remain possible
-            raise error
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -9,9 +9,13 @@ same code runs on CPU and GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
@@ -85,8 +89,8 @@ class HFArch:
             )
 
 
-def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dtype, seed: int = 0):
-    from megatron.core.transformer import TransformerConfig
+def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dtype) -> TransformerConfig:
+    from megatron.core.transformer import TransformerConfig  # noqa: F811 (imported for annotations above)
 
     return TransformerConfig(
         num_layers=arch.num_layers,

@@ -47,7 +47,11 @@ SMALL_QWEN2_SHAPE = {
     "num_key_value_heads": 4,
     "head_dim": 64,
 }
-BUILTIN_SHAPES = {TINY_QWEN2: TINY_QWEN2_SHAPE, SMALL_QWEN2: SMALL_QWEN2_SHAPE}
+# The model of configs/grpo_small.yaml and bench/step_efficiency.py (about 13M parameters): big enough
+# that generation and training compute, not the framework's fixed costs, should fill a step.
+SMALL4_QWEN2 = "builtin:small4-qwen2"
+SMALL4_QWEN2_SHAPE = {**SMALL_QWEN2_SHAPE, "num_hidden_layers": 4}
+BUILTIN_SHAPES = {TINY_QWEN2: TINY_QWEN2_SHAPE, SMALL_QWEN2: SMALL_QWEN2_SHAPE, SMALL4_QWEN2: SMALL4_QWEN2_SHAPE}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
 

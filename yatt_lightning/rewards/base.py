@@ -26,11 +26,10 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardOutput:
-    """Scores of a batch: one per sample; optional per-token rewards; metrics summed over ranks for logging."""
+    """Scores of a batch: one per sample, and metrics summed over ranks for logging."""
 
     scores: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
-    token_rewards: list[list[float]] | None = None
 
 
 def describe_sample(prompt: str, completion: str, row: dict) -> str:

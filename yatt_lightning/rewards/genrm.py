@@ -84,7 +84,6 @@ class GenerativeRewardModel(RewardFunction):
         self.max_judge_tokens = max_judge_tokens
         self.engine = engine or VLLMEngine()
         self.tokenizer = None
-        self.last_unparsed: list[str] = []
 
     # ------------------------------------------------------------------ engine
     def start(self, *, seed: int, max_num_seqs: int, dtype: str) -> None:
@@ -170,7 +169,6 @@ class GenerativeRewardModel(RewardFunction):
                 len(judgments),
                 unparsed[0][:200],
             )
-        self.last_unparsed = unparsed
         return RewardOutput(scores, {f"reward/{self.name}/unparsed": float(len(unparsed))})
 
     def _require_engine(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -48,8 +48,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "length"
-    text: str = ""
-    extras: dict = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -43,9 +43,10 @@ class VLLMEngine:
     Constructing it is cheap; the strategy calls :meth:`start` once its process groups exist.
 
     Args:
-        kv_cache_memory_bytes: KV cache size per engine. ``None`` sizes it from the rollout batch
-            (prompts x samples x longest sequence) with 25% headroom.
-        gpu_memory_utilization: Fraction of GPU memory vLLM may take (GPU only; ignored when
+        kv_cache_memory_bytes: KV cache size per engine. ``None``: on CPU, sized from the rollout batch
+            (prompts x samples x longest sequence) with 25% headroom; on a GPU, what
+            ``gpu_memory_utilization`` leaves after the weights (vLLM's own sizing).
+        gpu_memory_utilization: Fraction of GPU memory vLLM may take (GPU only; vLLM ignores it when
             ``kv_cache_memory_bytes`` is set).
         enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the n samples of a
             prompt share it). The cache is reset after every weight push.
@@ -97,10 +98,10 @@ class VLLMEngine:
         from yatt_lightning.rollout import vllm_shutdown
 
         vllm_shutdown.keep_trainer_process_group()
-        kv_bytes = self.kv_cache_memory_bytes or kv_cache_bytes_for(
-            model_path, max_num_seqs, max_model_len, tensor_parallel_size
-        )
         on_gpu = torch.cuda.is_available()
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and not on_gpu:  # vLLM's CPU backend has no memory profiler to size it
+            kv_bytes = kv_cache_bytes_for(model_path, max_num_seqs, max_model_len, tensor_parallel_size)
         kwargs = {}
         import vllm.envs
 
@@ -132,7 +133,10 @@ class VLLMEngine:
             **kwargs,
         )
         self.kv_cache_bytes = kv_bytes
-        log.info("vLLM engine ready: %s, tp=%d, kv cache %.1f MiB", model_path, tensor_parallel_size, kv_bytes / 2**20)
+        log.info(
+            "vLLM engine ready: %s, tp=%d, kv cache %s", model_path, tensor_parallel_size,
+            f"{kv_bytes / 2**20:.1f} MiB" if kv_bytes else f"gpu_memory_utilization={self.gpu_memory_utilization}",
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         if self.llm is None:
@@ -237,9 +241,6 @@ class VLLMEngine:
     def poll(self) -> dict[str, str]:
         """One engine step: the texts of the requests that finished in it."""
         return {out.request_id: out.outputs[0].text for out in self._llm().llm_engine.step() if out.finished}
-
-    def busy(self) -> bool:
-        return self._llm().llm_engine.has_unfinished_requests()
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
