@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
 from yatt_lightning.datamodules.tasks import AlphabetTask
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 from yatt_lightning.seeding import resolve_seed
 
@@ -155,7 +159,7 @@ class PromptDataModule(pl.LightningDataModule):
         return kwargs["num_replicas"], kwargs["rank"]
 
     @override
-    def train_dataloader(self):
+    def train_dataloader(self) -> StatefulDataLoader:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         replicas, rank = self.shard()

@@ -202,10 +202,9 @@ class _RecordingEngine:
 def test_full_colocation_wakes_the_judge_for_the_reward_stage_only():
     events: list[str] = []
     judge = GenerativeRewardModel("builtin:tiny-qwen2", engine=_RecordingEngine(events))
-    module = SimpleNamespace(reward_functions=[judge])
-    with FullColocation().scoring(module):
+    with FullColocation().scoring([judge]):
         events.append("score")
     assert events == ["wake", "score", "sleep"]
-    with pytest.raises(RuntimeError), FullColocation().scoring(module):
+    with pytest.raises(RuntimeError), FullColocation().scoring([judge]):
         raise RuntimeError("the judge failed")
     assert events[-1] == "sleep"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,6 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
-    extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -45,10 +45,10 @@ class RolloutBatch:
         keep = [i for i, g in enumerate(self.group_ids.tolist()) if g in index]
         keep.sort(key=lambda i: (index[int(self.group_ids[i])], i))
 
-        def pick(values):
+        def pick(values) -> list | None:
             return None if values is None else [values[i] for i in keep]
 
-        def pick_tensor(values):
+        def pick_tensor(values) -> torch.Tensor | None:
             return None if values is None else values[keep]
 
         return RolloutBatch(
@@ -65,9 +65,9 @@ class RolloutBatch:
         )
 
     @staticmethod
-    def from_samples(samples: list[tuple], tokenizer, precomputed: dict | None = None) -> RolloutBatch:
+    def from_samples(samples: list[tuple], tokenizer) -> RolloutBatch:
         """A batch from ``(group id, row, prompt ids, completion)`` per sample; a completion is anything with
-        ``token_ids``, ``logprobs`` and ``finish_reason`` (``precomputed``: scores a placement already has)."""
+        ``token_ids``, ``logprobs`` and ``finish_reason``."""
         completion_ids = [c.token_ids for *_, c in samples]
         return RolloutBatch(
             prompts=[row["prompt"] for _, row, _, _ in samples],
@@ -78,7 +78,6 @@ class RolloutBatch:
             group_ids=torch.tensor([g for g, *_ in samples], dtype=torch.long),
             rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for *_, c in samples],
             finish_reasons=[c.finish_reason for *_, c in samples],
-            extras={"precomputed": precomputed or {}},
         )
 
     @staticmethod
@@ -89,7 +88,7 @@ class RolloutBatch:
             group_ids.append(b.group_ids + offset)
             offset += int(b.group_ids.max()) + 1 if len(b) else 0
 
-        def cat(key):
+        def cat(key) -> list:
             return [v for b in batches for v in getattr(b, key)]
 
         rewards = [b.rewards for b in batches]
@@ -168,3 +167,11 @@ class RolloutBatch:
         """Per-sample completion-token slices of a ``[b, s-1]`` tensor computed for micro-batch ``mb``."""
         mask = mb["loss_mask"].bool()
         return [values[row][mask[row]].detach().clone() for row in range(values.shape[0])]
+
+
+def mini_batch_slices(n: int, parts: int) -> list[slice]:
+    """``n`` samples in ``parts`` consecutive mini-batches whose sizes differ by one at most (fewer when
+    ``n < parts``). Dynamic sampling, over-provisioning and partial rollouts change ``n`` from step to step;
+    every data-parallel rank has the same ``n``, so all take the same number of optimizer steps."""
+    bounds = [k * n // parts for k in range(parts + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]

@@ -31,20 +31,19 @@ import os
 import queue
 import re
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from yatt_lightning import failures
+from yatt_lightning.checkpoint_verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
 from yatt_lightning.checkpoint_writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
 from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
-MANIFEST = "manifest.json"
 TRACKER = "latest"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
@@ -203,34 +202,6 @@ def _shared_file(path: Path, root: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- verify and resolve
-def verify(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """Problems found in ``folder`` (empty: complete and intact). Checks every file's size, and the
-    CRC-32 of the files whose index in the manifest is ``rank`` modulo ``world``."""
-    if not Path(folder).is_dir():
-        return [f"{folder}: no such checkpoint folder"]
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        return [f"{manifest_path}: missing (the save did not finish)"]
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-        for want in files.values():
-            int(want["size"]), int(want["crc32"])
-    except (ValueError, KeyError, TypeError, AttributeError) as err:  # garbled: another checkpoint is tried
-        return [f"{manifest_path}: unreadable ({type(err).__name__}: {err})"]
-    problems = []
-    for i, (rel, want) in enumerate(sorted(files.items())):
-        path = folder / rel
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        size = path.stat().st_size
-        if size != want["size"]:
-            problems.append(f"{path}: {size} bytes, the manifest says {want['size']} (truncated or overwritten)")
-        elif i % world == rank and _crc32(path) != want["crc32"]:
-            problems.append(f"{path}: checksum mismatch (corrupted)")
-    return problems
-
-
 def step_of_name(name: str) -> int | None:
     """The step in a checkpoint folder's name (``step-00000020`` -> 20; Lightning's ``epoch=0-step=2.ckpt``
     -> 2), or ``None``."""
@@ -404,16 +375,6 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _crc32(path: Path, fsync: bool = False) -> int:
-    crc, chunk = 0, memoryview(bytearray(1 << 22))  # one buffer per file: no fresh pages per chunk
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(chunk):
-            crc = zlib.crc32(chunk[:n], crc)
-        if fsync:  # Megatron writes some files (common.pt, metadata.json) without fsync
-            os.fsync(f.fileno())
-    return crc
 
 
 def _describe(path: Path) -> dict:

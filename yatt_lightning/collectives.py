@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import torch
 
@@ -66,3 +67,59 @@ def exchange_tensors(outgoing: list[dict[str, torch.Tensor]], group=None) -> tup
             if src != me:
                 nbytes += part.numel() * part.element_size()
     return received, nbytes
+
+
+# ---------------------------------------------------------------------------------------------- point to point
+def isend_object(obj, dst: int, group=None) -> list:
+    """Send a pickled object to ``dst`` without waiting: its size, then its bytes. Returns the requests
+    (wait on them before reusing anything the object shares)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.long)
+    return [torch.distributed.isend(size, dst, group=group), torch.distributed.isend(payload, dst, group=group)]
+
+
+def send_object(obj, dst: int, group=None) -> None:
+    for request in isend_object(obj, dst, group):
+        request.wait()
+
+
+def recv_object(src: int, group=None) -> Any:
+    """Receive one object :func:`isend_object` sent from ``src``."""
+    return PendingObject(src, group).take()
+
+
+class PendingObject:
+    """An object being received from ``src``: its size is posted at once, so :meth:`ready` can poll."""
+
+    def __init__(self, src: int, group=None) -> None:
+        self.src, self.group = src, group
+        self.size = torch.empty(1, dtype=torch.long)
+        self.request = torch.distributed.irecv(self.size, src, group=group)
+
+    def ready(self) -> bool:
+        return self.request.is_completed()
+
+    def take(self) -> Any:
+        self.request.wait()
+        payload = torch.empty(int(self.size), dtype=torch.uint8)
+        torch.distributed.recv(payload, self.src, group=self.group)
+        return pickle.loads(payload.numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------------------------- through one rank
+def gather_objects(obj, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` at ``dst`` (index = rank; ``None`` elsewhere)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == dst else None
+    torch.distributed.gather_object(obj, out, dst=dst)
+    return out
+
+
+def scatter_objects(parts: list | None, src: int = 0) -> Any:
+    """``parts[r]`` (given on ``src``, ``None`` elsewhere) to each rank ``r``."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return parts[0]
+    received = [None]
+    torch.distributed.scatter_object_list(received, parts, src=src)
+    return received[0]

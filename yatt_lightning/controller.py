@@ -26,10 +26,12 @@ import torch
 
 from yatt_lightning import wire
 from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.collectives import gather_objects, scatter_objects
 from yatt_lightning.failures import fail_together
-from yatt_lightning.rollout.base import Completion, SamplingConfig
+from yatt_lightning.rollout.base import Completion
+from yatt_lightning.rollout.service import RolloutRequest, RolloutService, Scores
 
-ScoreFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
+ScoreFn = Callable[[RolloutBatch], Scores]
 
 # What a rank needs of a row the driver loaded: its prompt (tokenized there), its id (the sampling seed)
 # and where it came from (error messages). The other fields (answers, images) stay with the driver, which scores.
@@ -59,15 +61,13 @@ class Controller:
         (``shares[r]``), the others ``None``; returns the rows this rank's module works on."""
         raise NotImplementedError(f"{type(self).__name__} does not load rows on a driver.")
 
-    def generate(
-        self, prompts: list[list[int]], rows: list[dict], sampling: SamplingConfig, seeds: list[int], keep: int
-    ):
-        """Completions (``sampling.n`` per prompt) for this rank's prompts; with ``keep`` < len(prompts) only
-        the first groups to finish (the others ``None``)."""
+    def generate(self, service: RolloutService, request: RolloutRequest, keep: int) -> list:
+        """Completions (``sampling.n`` per prompt) for this rank's prompts; with ``keep`` < the number of
+        prompts only the first groups to finish (the others ``None``)."""
         raise NotImplementedError
 
-    def score(self, rollouts, score_fn: ScoreFn) -> torch.Tensor:
-        """This rank's per-sample rewards; ``score_fn(prompts, completions, rows)`` computes them."""
+    def score(self, batch: RolloutBatch, score_fn: ScoreFn) -> Scores:
+        """This rank's rewards; ``score_fn(batch)`` computes a batch's :class:`Scores`."""
         raise NotImplementedError
 
     def engine_batch_scale(self) -> int:
@@ -84,28 +84,27 @@ class Controller:
 class ParallelController(Controller):
     """Every DP rank generates and scores its own prompts; the head of each MP group scores."""
 
-    def generate(self, prompts, rows, sampling, seeds, keep):
-        groups: list = [None] * len(prompts)
-        with self.strategy.rollout_context() as engine:
-            for index, group in self.strategy.lightning_module.generate_groups(engine, prompts, sampling, seeds, keep):
+    def generate(self, service, request, keep) -> list:
+        groups: list = [None] * len(request.prompt_ids)
+        with service.engine_ready(request.weights_version) as engine:
+            stream = service.setup.long_tail.stream(engine, request.prompt_ids, request.sampling, request.seeds, keep)
+            for index, group in stream:
                 groups[index] = group
         return groups
 
-    def score(self, rollouts, score_fn):
+    def score(self, batch, score_fn) -> Scores:
         from megatron.core import parallel_state as ps
 
-        local = (rollouts.prompts, rollouts.completions, rollouts.rows)
         group = ps.get_model_parallel_group()
         if _world() == 1 or torch.distributed.get_world_size(group) == 1:
-            return score_fn(*local)
+            return score_fn(batch)
         head = torch.distributed.get_process_group_ranks(group)[0]
-        is_head = torch.distributed.get_rank() == head
-        scores = torch.empty(len(rollouts))
+        scores = Scores(torch.empty(len(batch)), {}, {})  # the other ranks of the group get the totals only
         with fail_together():  # every rank must hear of a failure before the broadcast below
-            if is_head:
-                scores = score_fn(*local).float()
+            if torch.distributed.get_rank() == head:
+                scores = score_fn(batch)
         with wire.category("rollout"):
-            torch.distributed.broadcast(scores, src=head, group=group)
+            torch.distributed.broadcast(scores.total, src=head, group=group)
         return scores
 
 
@@ -125,6 +124,7 @@ class SingleController(Controller):
         self.driver_loads_rows = driver_loads_rows
         self._loaded: list[list[dict]] | None = None  # on the driver: every rank's rows of the step, as loaded
         self._held: list[tuple[list[dict], list, list]] | None = None  # on the driver: rows, prompt ids, groups
+        self._service: RolloutService | None = None
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         if tensor_model_parallel_size * pipeline_model_parallel_size != 1:
@@ -137,18 +137,20 @@ class SingleController(Controller):
     def loads_on_driver(self) -> bool:
         return self.driver_loads_rows
 
-    def distribute_rows(self, shares):
+    def distribute_rows(self, shares) -> list[dict]:
         if shares is not None:  # the driver keeps the full rows for generate() and score()
             self._loaded = shares
             if _world() == 1:
                 return shares[0]
             stubs = [None] + [[{k: row[k] for k in STUB_FIELDS if k in row} for row in part] for part in shares[1:]]
-            self._scatter(stubs)
+            with wire.category("rollout"):
+                scatter_objects(stubs)
             return shares[0]
-        return self._scatter(None)
+        with wire.category("rollout"):
+            return scatter_objects(None)
 
-    def generate(self, prompts, rows, sampling, seeds, keep):
-        if keep < len(prompts):
+    def generate(self, service, request, keep) -> list:
+        if keep < len(request.prompt_ids):
             raise ValueError("`model.long_tail`: over-provisioning is not supported with the SingleController.")
         if self.driver_loads_rows:
             with fail_together():  # before the gather below, where the other ranks would wait
@@ -158,69 +160,53 @@ class SingleController(Controller):
                         "the global batch; use PromptDataModule, or set driver_loads_rows to false."
                     )
         # The rows reach the driver here, once (not at all when it loaded them); it keeps them for score().
-        gathered = self._gather((prompts, seeds) if self.driver_loads_rows else (prompts, seeds, rows))
+        mine = (request.prompt_ids, request.seeds) + (() if self.driver_loads_rows else (request.rows,))
+        with wire.category("rollout"):
+            gathered = gather_objects(mine)
         if gathered is not None:
             every_rows = self._loaded if self.driver_loads_rows else [part[2] for part in gathered]
             self._loaded = None
             all_prompts = [p for part in gathered for p in part[0]]
             all_seeds = [s for part in gathered for s in part[1]]
-            with self.strategy.rollout_context() as engine:
-                groups = engine.generate(all_prompts, sampling, all_seeds)
+            with service.engine_ready(request.weights_version) as engine:
+                groups = engine.generate(all_prompts, request.sampling, all_seeds)
             parts, start = [], 0
             for part in gathered:
                 parts.append(groups[start : start + len(part[0])])
                 start += len(part[0])
             self._held = [(r, part[0], g) for r, part, g in zip(every_rows, gathered, parts, strict=True)]
+            self._service = service
         else:
             # The other ranks' engines idle; their weights still follow the policy for a fair comparison.
-            with self.strategy.rollout_context():
+            with service.engine_ready(request.weights_version):
                 parts = None
-        return self._scatter(parts)
+        with wire.category("rollout"):
+            return scatter_objects(parts)
 
-    def score(self, rollouts, score_fn):
+    def score(self, batch, score_fn) -> Scores:
         # The driver scores everything from what it has held since generate(): nothing travels to it here.
-        parts = None
+        parts, mine = None, None
         with fail_together():  # the other ranks wait in the scatter below: tell them first
             if self._held is not None:
                 held, self._held = self._held, None
-                parts = [score_fn(rollouts.prompts, rollouts.completions, rollouts.rows)]
-                parts += [score_fn(*self._samples(*h)) for h in held[1:]]
-        scores = self._scatter(parts)
-        if len(scores) != len(rollouts):
+                mine = score_fn(batch)
+                others = [score_fn(self._service.groups_to_batch(*h)) for h in held[1:]]
+                parts = [mine.total] + [o.total for o in others]
+                for o in others:  # every sample's metrics are counted once, on the driver
+                    for key, value in o.metrics.items():
+                        mine.metrics[key] = mine.metrics.get(key, 0.0) + value
+        with wire.category("rollout"):
+            total = scatter_objects(parts)
+        if len(total) != len(batch):
             raise RuntimeError(
-                f"the driver scored {len(scores)} samples for rank {_rank()}, which holds "
-                f"{len(rollouts)}: the SingleController expects RLHFModule.rollout's layout (each kept group's "
+                f"the driver scored {len(total)} samples for rank {_rank()}, which holds "
+                f"{len(batch)}: the SingleController expects the rollout's layout (each kept group's "
                 "samples in prompt order)."
             )
-        return scores
+        return mine if mine is not None else Scores(total, {}, {})
 
     def engine_batch_scale(self) -> int:
         return _world()
-
-    def _samples(self, rows: list[dict], prompt_ids: list, groups: list) -> tuple[list[str], list[str], list[dict]]:
-        """(prompts, completions, rows) of another rank's samples, laid out as its module laid them out."""
-        samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
-        batch = RolloutBatch.from_samples(samples, self.strategy.lightning_module.tokenizer)
-        return batch.prompts, batch.completions, batch.rows
-
-    # -- object collectives through rank 0
-    @staticmethod
-    def _gather(obj):
-        if _world() == 1:
-            return [obj]
-        out = [None] * _world() if _rank() == 0 else None
-        with wire.category("rollout"):
-            torch.distributed.gather_object(obj, out, dst=0)
-        return out
-
-    @staticmethod
-    def _scatter(parts):
-        if _world() == 1:
-            return parts[0]
-        received = [None]
-        with wire.category("rollout"):
-            torch.distributed.scatter_object_list(received, parts, src=0)
-        return received[0]
 
 
 def _world() -> int:

@@ -93,7 +93,7 @@ def read_model_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix("model."): t for key, t in state.items()}
 
 
-def _unstack(name: str, tensor: torch.Tensor):
+def _unstack(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``decoder.layers.X`` tensors are stacked over layers; yield ``decoder.layers.<i>.X`` per layer."""
     if not name.startswith("decoder.layers."):
         yield name, tensor

@@ -30,12 +30,19 @@ class RankFailure(RuntimeError):
     """
 
     def __init__(
-        self, origin: int, cause: str, *, agreed: bool, here: bool = False, others: dict[int, str] | None = None
+        self,
+        origin: int,
+        cause: str,
+        *,
+        agreed: bool,
+        here: bool = False,
+        how: str = "another rank failed",
+        others: dict[int, str] | None = None,
     ) -> None:
-        self.origin, self.cause, self.agreed = origin, cause, agreed
+        self.origin, self.cause, self.agreed, self.how = origin, cause, agreed, how
         self.others = others or {}
         more = "".join(f"; rank {r}: {c}" for r, c in sorted(self.others.items()))
-        who = f"rank {origin} failed" if here else f"another rank failed (rank {origin})"
+        who = f"rank {origin} failed" if here else f"{how} (rank {origin})"
         super().__init__(f"{who}: {cause}{more}")
 
 
@@ -68,7 +75,8 @@ def agree(error: BaseException | None, group=None) -> None:
     origin, cause, _ = own[0]
     others = {r: c for r, c, heard in own[1:] if not heard and r != origin}
     me = torch.distributed.get_rank()
-    failure = RankFailure(origin, cause, agreed=True, here=origin == me, others=others)
+    how = error.how if isinstance(error, RankFailure) else "another rank failed"
+    failure = RankFailure(origin, cause, agreed=True, here=origin == me, how=how, others=others)
     if error is not None and not isinstance(error, RankFailure):
         raise failure from error
     raise failure
@@ -88,3 +96,19 @@ def fail_together(group=None) -> Iterator[None]:
     except Exception as err:
         error = err
     agree(error, group)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The policy loss became NaN or infinite."""
+
+
+def check_finite(outputs: list[dict], step: int) -> None:
+    """Collective: a NaN/inf loss in any micro-batch (``outputs[i]["finite"]``) on any rank stops every rank."""
+    bad = sum(1 for o in outputs if not bool(o["finite"]))
+    error = None
+    if bad:
+        error = NonFiniteLossError(
+            f"the policy loss is NaN/inf at step {step} ({bad} micro-batches). Check the rewards (finite?), "
+            "lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
+        )
+    agree(error)

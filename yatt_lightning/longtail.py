@@ -21,19 +21,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.rollout.base import Completion, SamplingConfig
+from yatt_lightning.rollout.base import Completion
+from yatt_lightning.rollout.service import RolloutRequest
+from yatt_lightning.seeding import sampling_seed
+
+if TYPE_CHECKING:
+    from yatt_lightning.rollout.service import RolloutService
 
 
 class LongTailPolicy:
-    """Base class: how many of a step's prompts are kept, and how they are generated."""
+    """Base class: how a step's request is generated (:meth:`rollout`), and how many of its groups are kept."""
+
+    last: dict[str, float] = {}  # this step's figures, logged with the step's metrics
 
     def keep_count(self, n_prompts: int) -> int:
         return n_prompts
+
+    def rollout(self, service: RolloutService, request: RolloutRequest) -> RolloutBatch:
+        """This step's rollouts: ``sampling.n`` completions of each kept prompt, generated through ``service``."""
+        keep = self.keep_count(len(request.prompt_ids))
+        generation = service.generate(request, keep)
+        if keep < len(request.prompt_ids):
+            self.last = {"long_tail/kept_groups": float(sum(g is not None for g in generation.groups))}
+        service.judged = generation.judged
+        return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups)
 
     def stream(
         self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None
@@ -98,42 +114,39 @@ class PartialRollout(LongTailPolicy):
         self.carried: list[list[_Pending]] = []  # groups still generating, then groups finished but not yet trained
         self._next: list[list[_Pending]] | None = None  # ``carried`` once the step commits
 
-    def rollout(self, module, batch: list[dict]) -> RolloutBatch:
+    def rollout(self, service: RolloutService, request: RolloutRequest) -> RolloutBatch:
         """This step's rollouts: groups finished now, from this step's prompts or earlier ones. The carried
         groups change only at :meth:`commit` (when the step is done): a step that fails leaves them as
         they were."""
-        n, total = module.sampling.n, module.sampling.max_new_tokens
-        prompt_ids = module.tokenize_batch(batch)
+        n, total = request.sampling.n, request.sampling.max_new_tokens
         groups = [[sample.copy() for sample in group] for group in self.carried]
-        groups += [[_Pending(row, ids) for _ in range(n)] for row, ids in zip(batch, prompt_ids, strict=True)]
+        groups += [
+            [_Pending(row, ids) for _ in range(n)] for row, ids in zip(request.rows, request.prompt_ids, strict=True)
+        ]
         todo = [(g, s) for g, group in enumerate(groups) for s, sample in enumerate(group) if not sample.finished]
         if todo:
-            step = module.trainer.global_step
             cap = min(self.max_new_tokens_per_step, total)
-            sampling = SamplingConfig(n=1, max_new_tokens=cap, temperature=module.sampling.temperature,
-                                      top_p=module.sampling.top_p, top_k=module.sampling.top_k)  # fmt: skip
-            prompts = [groups[g][s].prompt_ids + groups[g][s].token_ids for g, s in todo]
-            seeds = [
-                zlib.crc32(
-                    f"{module.seed}:{step}:{groups[g][s].row.get('_id', g)}:{s}:{len(groups[g][s].token_ids)}".encode()
-                )
-                % (2**31 - 1)
-                for g, s in todo
-            ]
-            outputs, _ = module.trainer.strategy.generate(prompts, [groups[g][0].row for g, _ in todo], sampling, seeds)
-            for (g, s), out in zip(todo, outputs, strict=True):
-                sample, new = groups[g][s], out[0]
+            sampling = dataclasses.replace(request.sampling, n=1, max_new_tokens=cap)
+            pending = [groups[g][s] for g, s in todo]
+            # One seed per sample and round: the run's formula, keyed by the row, sample and tokens so far.
+            run_seed = service.setup.run_seed
+            seeds = [sampling_seed(run_seed, request.step, p.row.get("_id", g), s, len(p.token_ids))
+                     for (g, s), p in zip(todo, pending, strict=True)]  # fmt: skip
+            continued = RolloutRequest(
+                rows=[p.row for p in pending], prompt_ids=[p.prompt_ids + p.token_ids for p in pending], seeds=seeds,
+                sampling=sampling, step=request.step, weights_version=request.weights_version,
+            )  # fmt: skip
+            for sample, out in zip(pending, service.generate(continued).groups, strict=True):
+                new = out[0]
                 room = total - len(sample.token_ids)
                 sample.token_ids += new.token_ids[:room]
                 sample.logprobs += new.logprobs[:room]
                 if new.finish_reason == "stop" or len(sample.token_ids) >= total:
-                    sample.finished, sample.finish_reason = (
-                        True,
-                        new.finish_reason if new.finish_reason == "stop" else "length",
-                    )
+                    sample.finished = True
+                    sample.finish_reason = "stop" if new.finish_reason == "stop" else "length"
         done = [i for i, group in enumerate(groups) if all(s.finished for s in group)]
         # Data-parallel ranks train the same number of groups: the fewest any rank finished.
-        lows, _ = module.trainer.strategy.all_reduce_min_max([float(len(done))])
+        lows, _ = service.strategy.all_reduce_min_max([float(len(done))])
         take = done[: int(lows[0])]
         taken = set(take)
         self._next = [group for i, group in enumerate(groups) if i not in taken]
@@ -142,7 +155,7 @@ class PartialRollout(LongTailPolicy):
             "long_tail/finished_groups": float(len(take)),
         }
         samples = [(k, s.row, s.prompt_ids, s) for k, i in enumerate(take) for s in groups[i]]
-        return RolloutBatch.from_samples(samples, module.tokenizer)
+        return RolloutBatch.from_samples(samples, service.setup.tokenizer)
 
     def commit(self) -> None:
         if self._next is not None:

@@ -8,9 +8,7 @@ group-normalised advantages, PPO-clip with token-level aggregation, optional k3 
 
 from __future__ import annotations
 
-import itertools
 import time
-import zlib
 from collections import defaultdict
 
 import lightning.pytorch as pl
@@ -20,33 +18,23 @@ from typing_extensions import override
 
 from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.failures import RankFailure, agree, fail_together
-from yatt_lightning.longtail import LongTailPolicy, PartialRollout, WaitForAll
-from yatt_lightning.models.logprobs import token_entropy, token_logprobs
+from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
+from yatt_lightning.callbacks.step_logger import StepLogger
+from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
+from yatt_lightning.longtail import LongTailPolicy, WaitForAll
+from yatt_lightning.models.logprobs import max_abs_difference, sample_logprobs, token_entropy, token_logprobs
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.optim import OptimizerSettings
 from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
-from yatt_lightning.rewards.base import RewardFunction, RewardOutput, RuleReward
+from yatt_lightning.rewards.base import RewardFunction, RuleReward
 from yatt_lightning.rollout.base import SamplingConfig
+from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSetup
 from yatt_lightning.sampling import DynamicSampling
-from yatt_lightning.seeding import resolve_seed
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The policy loss became NaN or infinite."""
-
+from yatt_lightning.seeding import resolve_seed, sampling_seed
+from yatt_lightning.step_metrics import reduce_token_metrics, step_stats
 
 # Per-token quantities summed in the loss function and averaged over tokens for logging.
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
-
-
-def mini_batch_slices(n: int, parts: int) -> list[slice]:
-    """``n`` samples in ``parts`` consecutive mini-batches whose sizes differ by one at most (fewer when
-    ``n < parts``). Dynamic sampling, over-provisioning and partial rollouts change ``n`` from step to step;
-    every data-parallel rank has the same ``n``, so all take the same number of optimizer steps."""
-    bounds = [k * n // parts for k in range(parts + 1)]
-    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 class RLHFModule(pl.LightningModule):
@@ -165,9 +153,14 @@ class RLHFModule(pl.LightningModule):
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
         if self.kl_coef > 0:
             self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
+        self.trainer.strategy.rollout.configure(self._rollout_setup())
 
     @override
-    def configure_optimizers(self):
+    def configure_callbacks(self) -> list:
+        return [StepLogger()]  # writes the StepStats each training_step returns
+
+    @override
+    def configure_optimizers(self) -> MegatronOptimizerAdapter:
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
 
     @override
@@ -183,22 +176,15 @@ class RLHFModule(pl.LightningModule):
             if hasattr(part, "load_state_dict") and f"yatt_{key}" in checkpoint:
                 part.load_state_dict(checkpoint[f"yatt_{key}"])
 
-    def rollout_engine_spec(self) -> dict:
-        """What the strategy needs to start the engine for this module."""
-        return {
-            "model_path": self.model_path,
-            "seed": self.seed,
-            "max_num_seqs": max(1, self.trainer.datamodule.batch_size * self.sampling.n)
-            if self.trainer.datamodule is not None
-            else 256,
-            "max_model_len": self.max_prompt_tokens + self.sampling.max_new_tokens,
-            "dtype": str(self.policy_spec.torch_dtype()).removeprefix("torch."),
-        }
-
-    @property
-    def weights_version(self) -> int:
-        """Changes whenever the policy's weights change (one per optimizer step)."""
-        return self.trainer.global_step
+    def _rollout_setup(self) -> RolloutSetup:
+        """What the strategy's rollout service needs of this module, handed down once."""
+        datamodule = self.trainer.datamodule
+        seqs = max(1, datamodule.batch_size * self.sampling.n) if datamodule is not None else 256
+        dtype = str(self.policy_spec.torch_dtype()).removeprefix("torch.")
+        engine = EngineSpec(
+            self.model_path, self.seed, seqs, self.max_prompt_tokens + self.sampling.max_new_tokens, dtype
+        )
+        return RolloutSetup(self.policy, self.tokenizer, engine, self.reward_functions, self.long_tail, self.seed)
 
     # ------------------------------------------------------------------ the RL step
     @override
@@ -229,7 +215,7 @@ class RLHFModule(pl.LightningModule):
             rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
             stats = self.update(rollouts)
         t3 = time.perf_counter()
-        sync = strategy.phase_times["sync"]
+        sync = strategy.rollout.sync_seconds
         self.phase_times = {
             "rollout": t1 - t0 - sync,
             "sync": sync,
@@ -239,58 +225,27 @@ class RLHFModule(pl.LightningModule):
         }
         self.commit_step_state()
         self.last_rollouts = generated
-        self._log_step(generated, stats)
-        return {"reward_mean": float(generated.rewards.mean())}
+        summary = step_stats(self, generated, stats)
+        self.reward_metrics = {}
+        return {"reward_mean": float(generated.rewards.mean()), "stats": summary}
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
-        policy keeps)."""
-        if isinstance(self.long_tail, PartialRollout):
-            return self.long_tail.rollout(self, batch)
-        prompt_ids = self.tokenize_batch(batch)
-        keep = self.long_tail.keep_count(len(batch))
-        groups, precomputed = self.trainer.strategy.generate(
-            prompt_ids, batch, self.sampling, self.sample_seeds(batch), keep=keep
-        )
-        if keep < len(batch):
-            self.long_tail.last = {"long_tail/kept_groups": float(sum(g is not None for g in groups))}
-        samples = [
-            (g, batch[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group
-        ]
-        return RolloutBatch.from_samples(samples, self.tokenizer, precomputed)
+        policy keeps), through the strategy's rollout service."""
+        request = RolloutRequest(
+            rows=batch, prompt_ids=self.tokenize_batch(batch), seeds=self.sample_seeds(batch),
+            sampling=self.sampling, step=self.trainer.global_step,
+            weights_version=self.trainer.global_step,  # changes with every optimizer step, as the weights do
+        )  # fmt: skip
+        return self.trainer.strategy.rollout.rollout(request)
 
     def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
-        """One scalar reward per sample, computed where the rollouts live (see the controller and placement)."""
-        precomputed = rollouts.extras.get("precomputed") or {}
-
-        def score(prompts, completions, rows):
-            return self.score_samples(prompts, completions, rows, precomputed)
-
-        return self.trainer.strategy.score(rollouts, score)
-
-    def score_samples(
-        self,
-        prompts: list[str],
-        completions: list[str],
-        rows: list[dict],
-        precomputed: dict[str, RewardOutput] | None = None,
-    ) -> torch.Tensor:
-        """The weighted sum of the reward functions over samples (scores a placement already computed are reused)."""
-        total = torch.zeros(len(completions))
-        for fn in self.reward_functions:
-            out = (precomputed or {}).get(fn.name) or fn(prompts, completions, rows)
-            scores = torch.tensor(out.scores, dtype=torch.float)
-            total += fn.weight * scores
-            self.reward_metrics[f"reward/{fn.name}/sum"] = self.reward_metrics.get(
-                f"reward/{fn.name}/sum", 0.0
-            ) + float(scores.sum())
-            for key, value in out.metrics.items():
-                self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
-        return total
-
-    def generate_groups(self, engine, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int], keep: int):
-        """Yield ``(prompt index, completions)`` as groups finish, ``keep`` at most (the long-tail policy)."""
-        yield from self.long_tail.stream(engine, prompts, sampling, seeds, keep)
+        """One scalar reward per sample: the weighted sum of the reward functions, computed where the
+        rollouts live (see the controller and placement)."""
+        scores = self.trainer.strategy.rollout.score(rollouts)
+        for key, value in scores.metrics.items():
+            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
+        return scores.total
 
     def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
         """One advantage per sample."""
@@ -298,7 +253,7 @@ class RLHFModule(pl.LightningModule):
 
     def update(self, rollouts: RolloutBatch) -> dict[str, float]:
         """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
-        self.trainer.strategy.prepare_training()
+        self.trainer.strategy.rollout.prepare_training()
         if self.balancer is not None:
             with wire.category("rollout"):
                 rollouts = self.balancer.rebalance(self, rollouts)
@@ -328,16 +283,18 @@ class RLHFModule(pl.LightningModule):
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
                 first_forward = False
-                self._check_finite(outputs)
+                check_finite(outputs, self.trainer.global_step)
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
                 with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
                     optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
         self.partial_update = False
-        stats = self._reduce_token_metrics(sums)
+        stats = reduce_token_metrics(self.trainer.strategy.controller, sums, _TOKEN_METRICS)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         stats["logprob_diff_max"] = (
-            self._logprob_mismatch(rollouts) if rollouts.old_logprobs is not None else forward_diff
+            max_abs_difference(rollouts.old_logprobs, rollouts.rollout_logprobs)
+            if rollouts.old_logprobs is not None
+            else forward_diff
         )
         return stats
 
@@ -377,10 +334,7 @@ class RLHFModule(pl.LightningModule):
     def sample_seeds(self, batch: list[dict]) -> list[int]:
         """A sampling seed per prompt, fixed by (seed, step, row): a resumed run samples the same."""
         step = self.trainer.global_step
-        return [
-            zlib.crc32(f"{self.seed}:{step}:{row.get('_id', i)}".encode()) * self.sampling.n % (2**31 - 1)
-            for i, row in enumerate(batch)
-        ]
+        return [sampling_seed(self.seed, step, row.get("_id", i)) for i, row in enumerate(batch)]
 
     def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""
@@ -394,7 +348,7 @@ class RLHFModule(pl.LightningModule):
         return per_token, metrics
 
     # ------------------------------------------------------------------ internals
-    def _loss_fn(self, mb: dict, logits: torch.Tensor):
+    def _loss_fn(self, mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         logits = logits[:, :-1]
         logprobs = token_logprobs(logits, mb["input_ids"][:, 1:], self.sampling.temperature)
         mask = mb["loss_mask"]
@@ -419,37 +373,10 @@ class RLHFModule(pl.LightningModule):
             },
         )
 
-    def _check_finite(self, outputs: list[dict]) -> None:
-        """Collective: a NaN/inf loss on any rank stops every rank (:func:`~yatt_lightning.failures.agree`)."""
-        bad = sum(1 for o in outputs if not bool(o["finite"]))
-        error = None
-        if bad:
-            error = NonFiniteLossError(
-                f"the policy loss is NaN/inf at step {self.trainer.global_step} ({bad} micro-batches). "
-                "Check the rewards (finite?), lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
-            )
-        agree(error)
-
     def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
-        """Per-sample logprobs of the completion tokens under ``model`` (forward only)."""
-        mbs = self.microbatches(rollouts, indices)
-
-        def collect(mb, logits):
-            lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], self.sampling.temperature)
-            return (
-                torch.zeros(()),
-                mb["loss_mask"].sum().to(torch.int),
-                {"logprobs": RolloutBatch.unpack_per_token(mb, lp)},
-            )
-
-        outputs = model.forward_backward(mbs, collect, forward_only=True)
-        if not outputs:  # not the last pipeline stage: only the last stage computes the loss
-            return None
-        result: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
-        for mb, out in zip(mbs, outputs, strict=True):
-            for i, lp in zip(mb["sample_index"].tolist(), out["logprobs"], strict=True):
-                result[i] = lp
-        return result
+        """Per-sample logprobs of the completion tokens under ``model`` (forward only; ``None`` on pipeline
+        stages other than the last)."""
+        return sample_logprobs(model, self.microbatches(rollouts, indices), len(rollouts), self.sampling.temperature)
 
     def microbatches(self, rollouts: RolloutBatch, indices: list[int]) -> list[dict]:
         """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
@@ -457,28 +384,3 @@ class RLHFModule(pl.LightningModule):
         overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
         plan = rollouts.plan_by_tokens(indices, budget, overhead) if budget else None
         return rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)
-
-    def _logprob_mismatch(self, rollouts: RolloutBatch) -> float:
-        """Largest |engine logprob - policy logprob| over sampled tokens (before the update); 0 on pipeline
-        stages that do not compute logprobs (the value is max-reduced over ranks)."""
-        if rollouts.old_logprobs is None:
-            return 0.0
-        diffs = [
-            (a - b).abs().max().item()
-            for a, b in zip(rollouts.old_logprobs, rollouts.rollout_logprobs, strict=True)
-            if len(a)
-        ]
-        return max(diffs, default=0.0)
-
-    def _reduce_token_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = ("tokens", *_TOKEN_METRICS)
-        t = self.trainer.strategy.controller.all_reduce(
-            torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        )
-        tokens = max(t[0].item(), 1.0)
-        return {k: t[i].item() / tokens for i, k in enumerate(keys) if i > 0}
-
-    def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float] | None) -> None:
-        from yatt_lightning.step_metrics import log_step
-
-        log_step(self, rollouts, stats)

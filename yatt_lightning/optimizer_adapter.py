@@ -23,7 +23,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.last_applied = False
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None) -> None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -112,7 +112,7 @@ def imbalance(weights: list[float], parts: list[list[int]]) -> float:
     return max(sums) / mean if mean > 0 else 1.0
 
 
-def _entry(parts, counter):
+def _entry(parts, counter) -> tuple:
     sums = [s for _, s in parts]
     return (-(max(sums) - min(sums)), next(counter), parts)
 

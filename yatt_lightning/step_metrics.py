@@ -1,17 +1,34 @@
-"""What one RL step logs: reduced over ranks, written by rank 0 to the logger (TensorBoard)."""
+"""What one RL step reports: its statistics, reduced over ranks, as one typed value.
+
+:func:`step_stats` gathers every figure of the step (rewards, lengths, the update's token means, the
+reward functions', dynamic sampling's, the long-tail policy's and the load balancer's figures, phase
+times, idle time and memory per rank) into a :class:`StepStats`, which ``training_step`` returns;
+:class:`~yatt_lightning.callbacks.StepLogger` writes it to TensorBoard and the progress bar.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from yatt_lightning.batch import RolloutBatch
 
 
-def log_step(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> None:
-    """Rollout and reward statistics every step; actor statistics when the step updated the policy
-    (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory."""
+@dataclass(frozen=True)
+class StepStats:
+    """One step's statistics, the same on every rank (except ``samples``, this rank's)."""
+
+    scalars: dict[str, float]  # for the loggers (TensorBoard)
+    progress: dict[str, float]  # for the progress bar: reward, t_roll, t_train
+    samples: list[tuple[str, str, float]]  # a few (prompt, completion, reward) for the Text tab
+    samples_count: int  # samples the step's means are over
+
+
+def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> StepStats:
+    """Collective: rollout and reward statistics every step; actor statistics when the step updated the
+    policy (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory."""
     strategy = module.trainer.strategy
     controller = strategy.controller
     rewards = rollouts.rewards
@@ -34,7 +51,6 @@ def log_step(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> 
     local[[4, 5]] = maxes
     r_sum, r_sq, count, len_sum, len_max, lp_diff = local[:6].tolist()
     extra = dict(zip(names, local[6:].tolist(), strict=True))
-    module.reward_metrics = {}
     mean = r_sum / count
     times = module.phase_times
     metrics = {
@@ -70,12 +86,12 @@ def log_step(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> 
         metrics.update(module.balancer.last)
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics.update(_per_rank(strategy, times))
-    module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=max(int(count), 1))
-    module.log_dict(
-        {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]},
-        prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True,
-    )  # fmt: skip
-    log_samples(module, rollouts)
+    samples = [
+        (rollouts.prompts[i], rollouts.completions[i], float(rollouts.rewards[i]))
+        for i in range(min(module.log_samples, len(rollouts)))
+    ]
+    progress = {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]}
+    return StepStats(metrics, progress, samples, max(int(count), 1))
 
 
 def _per_rank(strategy, times: dict[str, float]) -> dict[str, float]:
@@ -99,16 +115,9 @@ def _per_rank(strategy, times: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def log_samples(module, rollouts: RolloutBatch) -> None:
-    """A few of rank 0's completions as a Markdown table in TensorBoard's Text tab."""
-    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs scalars at
-    writer = getattr(module.logger, "experiment", None) if module.logger is not None else None
-    if not (module.log_samples and module.trainer.is_global_zero and hasattr(writer, "add_text")):
-        return
-    if step % module.trainer.log_every_n_steps:
-        return
-    lines = ["| prompt | completion | reward |", "|---|---|---|"]
-    for i in range(min(module.log_samples, len(rollouts))):
-        cells = [c.replace("|", "\\|").replace("\n", " ") for c in (rollouts.prompts[i], rollouts.completions[i])]
-        lines.append(f"| {cells[0]} | {cells[1]} | {float(rollouts.rewards[i]):.3f} |")
-    writer.add_text("rollout/samples", "\n".join(lines), step)
+def reduce_token_metrics(controller, sums: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
+    """Per-token means over every rank of the step's summed token metrics (``sums["tokens"]`` counts them)."""
+    keys = ("tokens", *names)
+    t = controller.all_reduce(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64))
+    tokens = max(t[0].item(), 1.0)
+    return {k: t[i].item() / tokens for i, k in enumerate(keys) if i > 0}

@@ -9,11 +9,9 @@ engine on every rank at the same point, and keeps the engine's weights in step w
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,8 @@ from yatt_lightning import failures
 from yatt_lightning.controller import Controller, ParallelController
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
-from yatt_lightning.rollout.base import RolloutEngine, SamplingConfig
+from yatt_lightning.rollout.base import RolloutEngine
+from yatt_lightning.rollout.service import EngineSpec, RolloutService
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +93,7 @@ class MegatronStrategy(DDPStrategy):
         self._engine_started = False
         self.resumed_from: Path | None = None
         self.run_id = uuid.uuid4().hex  # recorded in checkpoint manifests; a resumed run keeps its run's id
-        self._engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
-        self.phase_times: dict[str, float] = {"sync": 0.0}
+        self.rollout = RolloutService(self)  # what the module's rollout and reward steps call
 
     # ------------------------------------------------------------------ parallel state
     @override
@@ -162,22 +160,26 @@ class MegatronStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if not self._engine_started:
-            self.placement.start_engines(self, self.lightning_module)
+            if self.rollout.setup is None:
+                raise RuntimeError(
+                    "MegatronStrategy: the module did not hand the rollout service its setup in configure_model "
+                    "(RLHFModule does; a custom LightningModule must call strategy.rollout.configure)."
+                )
+            self.placement.start_engines(self.rollout)
             self._engine_started = True
             # vLLM reseeds the global RNG when it starts; put the trainer's seed back.
-            torch.manual_seed(self.lightning_module.seed + self.global_rank)
+            torch.manual_seed(self.rollout.setup.run_seed + self.global_rank)
 
-    def start_policy_engine(self, batch_scale: int = 1) -> None:
+    def start_policy_engine(self, spec: EngineSpec, batch_scale: int = 1) -> None:
         """Start the policy's rollout engine on this rank (the placement decides which ranks call this)."""
-        spec = self.lightning_module.rollout_engine_spec()
         t0 = time.perf_counter()
         self.engine.start(
-            spec["model_path"],
+            spec.model_path,
             tensor_parallel_size=self.tensor_model_parallel_size * self.pipeline_model_parallel_size,
-            seed=spec["seed"],
-            max_num_seqs=spec["max_num_seqs"] * self.controller.engine_batch_scale() * batch_scale,
-            max_model_len=spec["max_model_len"],
-            dtype=spec["dtype"],
+            seed=spec.seed,
+            max_num_seqs=spec.max_num_seqs * self.controller.engine_batch_scale() * batch_scale,
+            max_model_len=spec.max_model_len,
+            dtype=spec.dtype,
         )
         log.info("rank %d: rollout engine started in %.1fs", self.global_rank, time.perf_counter() - t0)
 
@@ -189,62 +191,11 @@ class MegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self._engine_started:
             self.engine.shutdown()  # before the process group goes: vLLM's groups hang off it
-            self.placement.shutdown(self, self.lightning_module)
+            self.placement.shutdown(self.rollout.setup.reward_functions)
             self._engine_started = False
         super().teardown()
 
-    # ------------------------------------------------------------------ rollouts
-    def mark_weights_stale(self) -> None:
-        """The engine's weights no longer match the policy (restored from a checkpoint, say)."""
-        self._engine_weights_version = None
-
-    @contextlib.contextmanager
-    def rollout_context(self) -> Iterator[RolloutEngine]:
-        """Engine ready with the policy's current weights; training memory released while inside (GPU).
-
-        Order on a GPU: wake the engine, push the weights (the policy's parameters are still resident),
-        offload the training state, generate; then put the engine to sleep. The training state comes back
-        in :meth:`training_context`, after the reward stage (which may need the device for a judge).
-        """
-        module = self.lightning_module
-        version = module.weights_version
-        t0 = time.perf_counter()
-        self.engine.wake_up()
-        if self._engine_weights_version != version:
-            self.engine.push_weights(module.policy.export_hf())
-            self._engine_weights_version = version
-        module.policy.offload(params=self.offload_params)
-        self.phase_times["sync"] = time.perf_counter() - t0
-        try:
-            yield self.engine
-        finally:
-            self.engine.sleep()
-
-    def prepare_training(self) -> None:
-        """Before the update: the training state back on the device (a no-op on CPU)."""
-        self.lightning_module.policy.onload()
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        rows: list[dict],
-        sampling: SamplingConfig,
-        seeds: list[int],
-        keep: int | None = None,
-    ):
-        """Completions for this data-parallel rank's prompts (through the placement and the controller), and
-        the scores of reward functions the placement already computed while generating. With ``keep``, only
-        the first ``keep`` groups to finish are returned (the others are ``None``)."""
-        keep = len(prompts) if keep is None else keep
-        return self.placement.generate(self, self.lightning_module, prompts, rows, sampling, seeds, keep)
-
-    def score(self, rollouts, score_fn) -> torch.Tensor:
-        """This rank's rewards (through the controller); the end of the rollout + reward phase."""
-        with self.placement.scoring(self.lightning_module):
-            scores = self.controller.score(rollouts, score_fn)
-            self.placement.record_memory("reward")
-        return scores
-
+    # ------------------------------------------------------------------ the rollout + reward phase
     def finish_scoring(self, error: BaseException | None) -> None:
         """Collective end of the rollout + reward phase: raises everywhere if any rank failed; the time
         spent here waiting for slower ranks counts as this rank's idle time."""
@@ -294,7 +245,7 @@ class MegatronStrategy(DDPStrategy):
         from yatt_lightning import checkpoint as ckpt
 
         ckpt.load_policy(self, checkpoint)
-        self.mark_weights_stale()
+        self.rollout.mark_weights_stale()
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:

@@ -20,16 +20,16 @@ class KLEstimator:
 
 
 class K1(KLEstimator):
-    def __call__(self, logprobs, ref_logprobs):
+    def __call__(self, logprobs, ref_logprobs) -> torch.Tensor:
         return logprobs - ref_logprobs
 
 
 class K2(KLEstimator):
-    def __call__(self, logprobs, ref_logprobs):
+    def __call__(self, logprobs, ref_logprobs) -> torch.Tensor:
         return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
 class K3(KLEstimator):
-    def __call__(self, logprobs, ref_logprobs):
+    def __call__(self, logprobs, ref_logprobs) -> torch.Tensor:
         log_ratio = torch.clamp(ref_logprobs - logprobs, -20.0, 20.0)
         return torch.exp(log_ratio) - log_ratio - 1

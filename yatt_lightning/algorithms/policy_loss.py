@@ -43,7 +43,7 @@ class PPOClipLoss(PolicyLoss):
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
-    def __call__(self, logprobs, old_logprobs, advantages, mask):
+    def __call__(self, logprobs, old_logprobs, advantages, mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ratio = torch.exp(logprobs - old_logprobs)
         unclipped = ratio * advantages
         clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps_high) * advantages

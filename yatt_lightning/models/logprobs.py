@@ -34,3 +34,27 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         torch.distributed.all_reduce(sums, group=group)
     z, weighted = sums[0], sums[1]
     return z.log() - weighted / z
+
+
+def sample_logprobs(model, microbatches: list[dict], n_samples: int, temperature: float) -> list[torch.Tensor] | None:
+    """Per-sample completion-token logprobs of ``microbatches`` (from ``RolloutBatch.microbatches``) under
+    ``model`` (a ``MegatronPolicy``, forward only); ``None`` on pipeline stages other than the last."""
+    from yatt_lightning.batch import RolloutBatch
+
+    def collect(mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], temperature)
+        return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": RolloutBatch.unpack_per_token(mb, lp)}
+
+    outputs = model.forward_backward(microbatches, collect, forward_only=True)
+    if not outputs:  # not the last pipeline stage: only the last stage computes the loss
+        return None
+    result: list[torch.Tensor] = [torch.empty(0)] * n_samples
+    for mb, out in zip(microbatches, outputs, strict=True):
+        for i, lp in zip(mb["sample_index"].tolist(), out["logprobs"], strict=True):
+            result[i] = lp
+    return result
+
+
+def max_abs_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest |a - b| over the tokens of aligned per-sample tensors (0 when there are none)."""
+    return max(((x - y).abs().max().item() for x, y in zip(a, b, strict=True) if len(x)), default=0.0)

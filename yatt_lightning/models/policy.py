@@ -86,7 +86,7 @@ class MegatronPolicy(torch.nn.Module):
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data_iterator, model):
+        def forward_step(data_iterator, model) -> tuple:
             mb = next(data_iterator)
             ids = mb["input_ids"]
             seq = ids.shape[1]

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -261,7 +262,7 @@ class VLLMEngine:
             self._llm().wake_up()
             self.asleep = False
 
-    def _llm(self):
+    def _llm(self) -> Any:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
