@@ -160,6 +160,13 @@ class RLHFModule(pl.LightningModule):
         return [StepLogger()]  # writes the StepStats each training_step returns
 
     @override
+    def setup(self, stage: str) -> None:
+        # The step's metrics are logged before any other callback's on_train_batch_end reads them.
+        callbacks = self.trainer.callbacks
+        first = [cb for cb in callbacks if isinstance(cb, StepLogger)]
+        callbacks[:] = first + [cb for cb in callbacks if not isinstance(cb, StepLogger)]
+
+    @override
     def configure_optimizers(self) -> MegatronOptimizerAdapter:
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
 
