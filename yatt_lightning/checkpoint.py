@@ -87,7 +87,7 @@ def start_write_results_queue() -> None:
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
-def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous: bool):
+def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous: bool) -> Any:
     """Collective: start writing a checkpoint into ``<final>.tmp``.
 
     Returns Megatron's ``AsyncRequest`` when ``asynchronous`` (the caller schedules it on

@@ -16,6 +16,7 @@ import functools
 import logging
 import queue
 import threading
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from yatt_lightning.models.cpu import cpu_mode
 log = logging.getLogger("yatt_lightning.checkpoint")
 
 
-def async_calls_queue():
+def async_calls_queue() -> Any:
     """Megatron's queue of asynchronous saves (at most one is in flight: the callback finalises before it
     schedules the next). On GPU, Megatron's own: device-to-host copy in the step, then a forked writer.
 

@@ -73,7 +73,7 @@ class YattCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         _loggers_default_to_root_dir(config.trainer)
 
-    def init_parser(self, **kwargs: Any):
+    def init_parser(self, **kwargs: Any) -> Any:
         parser = super().init_parser(**kwargs)
         parser.exit_on_error = False  # main() shows one screen: the message that names the key, exit code 2
         return parser

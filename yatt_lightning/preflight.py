@@ -10,6 +10,7 @@ tokenizes within ``model.max_prompt_tokens``). What fails here is a configuratio
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from yatt_lightning.models.gpt import HFArch
 
@@ -70,7 +71,7 @@ def check_weights(path: Path) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Any:
     """The model folder's tokenizer, or an error that names the folder and the files it needs."""
     from transformers import AutoTokenizer
 

@@ -129,7 +129,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dt
     )
 
 
-def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool):
+def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool) -> torch.nn.Module:
     """The Megatron GPT model (one pipeline stage of it) for ``arch``; parameters uninitialised."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

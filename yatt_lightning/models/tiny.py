@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 TINY_QWEN2 = "builtin:tiny-qwen2"
@@ -106,7 +107,7 @@ def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
     return out
 
 
-def train_tokenizer(corpus, vocab_size: int):
+def train_tokenizer(corpus, vocab_size: int) -> Any:
     """A byte-level BPE tokenizer trained on ``corpus`` with Qwen2's pre-tokenizer, normalizer and decoder.
 
     transformers loads every ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``, which rebuilds that
