@@ -108,8 +108,7 @@ class RunConsole(ProgressBar):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stats = outputs.get("stats") if isinstance(outputs, dict) else None
-        metrics = stats.progress if stats is not None else trainer.progress_bar_metrics
+        metrics = trainer.progress_bar_metrics
         if "reward" in metrics:
             self._rewards.append(float(metrics["reward"]))
         if not (trainer.is_global_zero and self._enabled):

@@ -78,11 +78,6 @@ def isend_object(obj, dst: int, group=None) -> list:
     return [torch.distributed.isend(size, dst, group=group), torch.distributed.isend(payload, dst, group=group)]
 
 
-def send_object(obj, dst: int, group=None) -> None:
-    for request in isend_object(obj, dst, group):
-        request.wait()
-
-
 def recv_object(src: int, group=None) -> Any:
     """Receive one object :func:`isend_object` sent from ``src``."""
     return PendingObject(src, group).take()

@@ -99,7 +99,7 @@ class ParallelController(Controller):
         if _world() == 1 or torch.distributed.get_world_size(group) == 1:
             return score_fn(batch)
         head = torch.distributed.get_process_group_ranks(group)[0]
-        scores = Scores(torch.empty(len(batch)), {}, {})  # the other ranks of the group get the totals only
+        scores = Scores(torch.empty(len(batch)), {})  # the other ranks of the group get the totals only
         with fail_together():  # every rank must hear of a failure before the broadcast below
             if torch.distributed.get_rank() == head:
                 scores = score_fn(batch)
@@ -203,7 +203,7 @@ class SingleController(Controller):
                 f"{len(batch)}: the SingleController expects the rollout's layout (each kept group's "
                 "samples in prompt order)."
             )
-        return mine if mine is not None else Scores(total, {}, {})
+        return mine if mine is not None else Scores(total, {})
 
     def engine_batch_scale(self) -> int:
         return _world()

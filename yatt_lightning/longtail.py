@@ -48,7 +48,6 @@ class LongTailPolicy:
         generation = service.generate(request, keep)
         if keep < len(request.prompt_ids):
             self.last = {"long_tail/kept_groups": float(sum(g is not None for g in generation.groups))}
-        service.judged = generation.judged
         return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups)
 
     def stream(
@@ -130,7 +129,7 @@ class PartialRollout(LongTailPolicy):
             pending = [groups[g][s] for g, s in todo]
             # One seed per sample and round: the run's formula, keyed by the row, sample and tokens so far.
             run_seed = service.setup.run_seed
-            seeds = [sampling_seed(run_seed, request.step, p.row.get("_id", g), s, len(p.token_ids))
+            seeds = [sampling_seed(run_seed, request.step, p.row, g, s, len(p.token_ids))
                      for (g, s), p in zip(todo, pending, strict=True)]  # fmt: skip
             continued = RolloutRequest(
                 rows=[p.row for p in pending], prompt_ids=[p.prompt_ids + p.token_ids for p in pending], seeds=seeds,

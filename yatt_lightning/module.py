@@ -341,7 +341,7 @@ class RLHFModule(pl.LightningModule):
     def sample_seeds(self, batch: list[dict]) -> list[int]:
         """A sampling seed per prompt, fixed by (seed, step, row): a resumed run samples the same."""
         step = self.trainer.global_step
-        return [sampling_seed(self.seed, step, row.get("_id", i)) for i, row in enumerate(batch)]
+        return [sampling_seed(self.seed, step, row, i) for i, row in enumerate(batch)]
 
     def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""

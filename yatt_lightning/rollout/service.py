@@ -74,10 +74,9 @@ class Generation:
 
 @dataclass(frozen=True)
 class Scores:
-    """A batch's rewards: the weighted sum per sample, each function's scores, and metrics to log."""
+    """A batch's rewards: the weighted sum per sample, and metrics to log."""
 
     total: torch.Tensor
-    per_function: dict[str, torch.Tensor]
     metrics: dict[str, float]
 
 
@@ -86,17 +85,15 @@ def combine(
 ) -> Scores:
     """Every reward function's scores of ``batch`` (or what a placement already judged), weighted and summed."""
     total = torch.zeros(len(batch))
-    per_function: dict[str, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     for fn in functions:
         out = (judged or {}).get(fn.name) or fn(batch.prompts, batch.completions, batch.rows)
         scores = torch.tensor(out.scores, dtype=torch.float)
-        per_function[fn.name] = scores
         total += fn.weight * scores
         metrics[f"reward/{fn.name}/sum"] = float(scores.sum())
         for key, value in out.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
-    return Scores(total, per_function, metrics)
+    return Scores(total, metrics)
 
 
 class RolloutService:
@@ -134,14 +131,16 @@ class RolloutService:
         """Completions for the request's prompts through the placement and the controller; with ``keep``, only
         the first ``keep`` groups to finish (the others ``None``)."""
         keep = len(request.prompt_ids) if keep is None else keep
-        return self.strategy.placement.generate(self, request, keep)
+        generation = self.strategy.placement.generate(self, request, keep)
+        self.judged = generation.judged  # consumed by the step's score()
+        return generation
 
-    def score(self, batch: RolloutBatch, judged: dict[str, RewardOutput] | None = None) -> Scores:
-        """This rank's rewards (through the controller); the end of the rollout + reward phase."""
+    def score(self, batch: RolloutBatch) -> Scores:
+        """This rank's rewards (through the controller), using what the placement already judged while
+        generating; the end of the rollout + reward phase."""
         functions = self._require_setup().reward_functions
         placement = self.strategy.placement
-        judged = self.judged if judged is None else judged
-        self.judged = {}
+        judged, self.judged = self.judged, {}
         with placement.scoring(functions):
             scores = self.strategy.controller.score(batch, lambda part: combine(functions, part, judged))
             placement.record_memory("reward")
