@@ -69,8 +69,8 @@ class LongTailRollouts(RLHFModule):
     def reward(self, rollouts):
         return torch.rand(len(rollouts), generator=torch.Generator().manual_seed(self.trainer.global_step))
 
-    def microbatches(self, rollouts, indices):
-        mbs = super().microbatches(rollouts, indices)
+    def microbatches(self, batch, indices):
+        mbs = super().microbatches(batch, indices)
         self.padded_tokens += sum(mb["input_ids"].numel() for mb in mbs)
         return mbs
 
@@ -101,7 +101,7 @@ class Alternate(Callback):
                 "step": step, "balanced": module.balancer.enabled, "tokens": tokens,
                 "train_s": [float(t[1]) for t in every],
                 "imbalance": max(tokens) / statistics.mean(tokens),
-                "sequence_imbalance_before": module.balancer.last["balance/imbalance_before"],
+                "sequence_imbalance_before": outputs["stats"].scalars["balance/imbalance_before"],
             })  # fmt: skip
 
 

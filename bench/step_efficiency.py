@@ -35,6 +35,8 @@ import torch
 from _common import REPO, build_cli, pop_smoke
 from lightning.pytorch import Callback
 
+from yatt_lightning.training_batch import TrainingBatch
+
 WARMUP = 2
 SMALL = str(REPO / "configs" / "grpo_small.yaml")
 
@@ -118,7 +120,7 @@ class StepEfficiency(Callback):
         """Forward and backward of the step's micro-batches straight through the Megatron model."""
         from yatt_lightning.models.cpu import megatron_cpu_context
 
-        mbs = module.microbatches(rollouts, list(range(len(rollouts))))
+        mbs = module.microbatches(TrainingBatch(rollouts), list(range(len(rollouts))))
         model = module.policy.model
         model.train(True)
         t0 = time.perf_counter()

@@ -18,14 +18,26 @@ and ``balance/bytes_received`` are logged with the step's metrics. With one DP r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from yatt_lightning.algorithms.advantage import Advantages
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.collectives import exchange_tensors
 from yatt_lightning.packing import pack_by_tokens, packed_cost
 from yatt_lightning.partition import balanced_partition
+from yatt_lightning.training_batch import TrainingBatch
+
+
+@dataclass(frozen=True)
+class Rebalanced:
+    """This rank's share of the step's training batch after balancing, and the step's balance figures."""
+
+    batch: TrainingBatch
+    metrics: dict[str, float]
 
 
 class DPLoadBalancer(Callback):
@@ -56,21 +68,24 @@ class DPLoadBalancer(Callback):
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.micro_batch_overhead_tokens = micro_batch_overhead_tokens
         self.enabled = enabled
-        self.last: dict[str, float] = {}
-        self.moved = False  # whether the last step's sequences were exchanged
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if getattr(trainer.strategy, "data_parallel_size", 1) > 1 or self.max_tokens_per_micro_batch:
             pl_module.balancer = self
 
-    def rebalance(self, module, rollouts: RolloutBatch) -> RolloutBatch:
-        """This rank's share of the step's sequences after balancing (collective over the DP group)."""
+    def rebalance(self, module, batch: TrainingBatch) -> Rebalanced:
+        """This rank's share of the step's sequences after balancing (collective over the DP group). Only
+        what the update needs travels: token ids, engine logprobs, advantages and rewards (before the update
+        computes old or reference logprobs, so there are none to move)."""
         from megatron.core import parallel_state as ps
 
         dp = module.trainer.strategy.data_parallel_size
         if dp == 1:
-            return rollouts
+            return Rebalanced(batch, {})
+        if batch.old_logprobs is not None or batch.ref_logprobs is not None:
+            raise ValueError("DPLoadBalancer.rebalance runs before the update computes old or reference logprobs")
+        rollouts = batch.rollouts
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
         mine = torch.tensor(rollouts.sequence_lengths(), dtype=torch.long)
@@ -83,20 +98,19 @@ class DPLoadBalancer(Callback):
         parts = balanced_partition(weights, dp) if self.enabled else unmoved
         if self.enabled and self._planned_cost(weights, unmoved) <= self._planned_cost(weights, parts):
             parts = unmoved  # the split would not shorten the slowest rank's plan: keep the rows, skip the exchange
-        self.moved = parts is not unmoved
         per_rank_after = [float(sum(weights[i] for i in p)) for p in parts]
-        self.last = {
+        metrics = {
             "balance/imbalance_before": max(per_rank_before) / (sum(per_rank_before) / dp),
             "balance/imbalance_after": max(per_rank_after) / (sum(per_rank_after) / dp),
             "balance/bytes_received": 0.0,
         }
-        if self.moved:
-            mine_ids = range(me * n, (me + 1) * n)
-            outgoing = [self._pack(rollouts, [i - me * n for i in sorted(p) if i in mine_ids], me * n) for p in parts]
-            received, nbytes = exchange_tensors(outgoing, group=group)
-            self.last["balance/bytes_received"] = float(nbytes)
-            rollouts = self._unpack(received)
-        return rollouts  # the step's metrics (yatt_lightning.step_metrics) log self.last
+        if parts is unmoved:
+            return Rebalanced(batch, metrics)
+        mine_ids = range(me * n, (me + 1) * n)
+        outgoing = [self._pack(batch, [i - me * n for i in sorted(p) if i in mine_ids], me * n) for p in parts]
+        received, nbytes = exchange_tensors(outgoing, group=group)
+        metrics["balance/bytes_received"] = float(nbytes)
+        return Rebalanced(self._unpack(received), metrics)
 
     def _planned_cost(self, weights: list[int], parts: list[list[int]]) -> tuple[float, float]:
         """The slowest rank's packed cost under ``parts`` (0 when micro-batches are not capped by tokens),
@@ -113,20 +127,21 @@ class DPLoadBalancer(Callback):
         return (max(costs), tokens)
 
     @staticmethod
-    def _pack(rollouts: RolloutBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:
+    def _pack(batch: TrainingBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:
         """The training fields of samples ``local`` as flat tensors (global ids = ``offset`` + local)."""
+        rollouts, advantages = batch.rollouts, batch.advantages.values
         ids = [rollouts.prompt_ids[i] + rollouts.completion_ids[i] for i in local]
         return {
             "tokens": torch.tensor([t for seq in ids for t in seq], dtype=torch.long),
             "lengths": torch.tensor([[len(rollouts.prompt_ids[i]), len(rollouts.completion_ids[i])] for i in local],
                                     dtype=torch.long).reshape(-1, 2),
             "logprobs": torch.cat([rollouts.rollout_logprobs[i].float() for i in local]) if local else torch.zeros(0),
-            "scalars": torch.tensor([[offset + i, float(rollouts.advantages[i]), float(rollouts.rewards[i])]
+            "scalars": torch.tensor([[offset + i, float(advantages[i]), float(rollouts.rewards[i])]
                                      for i in local], dtype=torch.float64).reshape(-1, 3),
         }  # fmt: skip
 
     @staticmethod
-    def _unpack(received: list[dict[str, torch.Tensor]]) -> RolloutBatch:
+    def _unpack(received: list[dict[str, torch.Tensor]]) -> TrainingBatch:
         """One batch of the samples received from every rank, in global id order."""
         samples = []
         for part in received:
@@ -138,7 +153,7 @@ class DPLoadBalancer(Callback):
                 at, lp_at = at + p + c, lp_at + c
         samples.sort(key=lambda s: s[0])
         k = len(samples)
-        return RolloutBatch(
+        rollouts = RolloutBatch(
             prompts=[""] * k,
             prompt_ids=[s[1] for s in samples],
             completion_ids=[s[2] for s in samples],
@@ -148,5 +163,5 @@ class DPLoadBalancer(Callback):
             rollout_logprobs=[s[3] for s in samples],
             finish_reasons=[""] * k,  # not needed by the update; the owner keeps the real ones for logging
             rewards=torch.tensor([s[5] for s in samples], dtype=torch.float),
-            advantages=torch.tensor([s[4] for s in samples], dtype=torch.float),
         )
+        return TrainingBatch(rollouts, Advantages(torch.tensor([s[4] for s in samples], dtype=torch.float)))

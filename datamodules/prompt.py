@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -146,7 +146,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.dataset is None and not (self._driver() is not None and self.trainer.global_rank != 0):
             self.dataset = PromptDataset(self.load_rows())
 
-    def _driver(self):
+    def _driver(self) -> Any:
         """The strategy's controller when rank 0 loads every rank's rows, else ``None``."""
         controller = getattr(self.trainer.strategy, "controller", None) if self.trainer else None
         return controller if controller is not None and controller.loads_on_driver else None

@@ -95,8 +95,21 @@ def spawn_gloo(target, world: int = 2, timeout: float = 120) -> dict:
     procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + timeout
+    results = {}
     try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
+        while len(results) < world:  # a process that dies fails the call at once, not after the timeout
+            try:
+                rank, out = queue.get(timeout=1)
+                results[rank] = out
+            except queues.Empty:
+                failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+                assert not failed and time.monotonic() < deadline, (
+                    f"exit codes {[proc.exitcode for proc in procs]} after {timeout}s at most"
+                )
     finally:
         for proc in procs:
             proc.join(timeout=30)

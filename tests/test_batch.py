@@ -1,11 +1,16 @@
 """Tier 1: packing rollouts into micro-batches (alignment of logits, targets and masks)."""
 
+import dataclasses
+
+import pytest
 import torch
 
+from yatt_lightning.algorithms import Advantages
 from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.training_batch import TrainingBatch
 
 
-def _batch():
+def _rollouts():
     return RolloutBatch(
         prompts=["a", "b"],
         prompt_ids=[[10, 11, 12], [20]],
@@ -15,9 +20,29 @@ def _batch():
         group_ids=torch.tensor([0, 1]),
         rollout_logprobs=[torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])],
         finish_reasons=["length", "stop"],
-        advantages=torch.tensor([0.5, -0.5]),
+    )
+
+
+def _batch():
+    return TrainingBatch(
+        _rollouts(),
+        Advantages(torch.tensor([0.5, -0.5])),
         old_logprobs=[torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])],
     )
+
+
+def test_a_rollout_batch_is_a_value_scoring_makes_a_new_one():
+    rollouts = _rollouts()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rollouts.rewards = torch.zeros(2)
+    scored = rollouts.scored(torch.tensor([1.0, 0.0]))
+    assert rollouts.rewards is None and scored.rewards.tolist() == [1.0, 0.0]
+    assert scored.completion_ids is rollouts.completion_ids  # nothing copied but the new field
+    with pytest.raises(ValueError, match="2 samples got rewards of shape"):
+        rollouts.scored(torch.zeros(3))
+    with pytest.raises(ValueError, match="returned 3 advantages for 2 samples"):
+        Advantages.of(torch.zeros(3), 2)
+    assert Advantages.of(torch.tensor([1, 2]), 2).values.dtype == torch.float
 
 
 def test_microbatch_masks_mark_positions_predicting_completion_tokens():
@@ -37,7 +62,7 @@ def test_microbatches_split_and_pad_to_multiple():
     assert [mb["sample_index"].tolist() for mb in mbs] == [[1], [0]]
     values = torch.zeros(1, 7)
     values[0, 0:3] = torch.tensor([7.0, 8.0, 9.0])
-    assert RolloutBatch.unpack_per_token(mbs[0], values)[0].tolist() == [7.0, 8.0, 9.0]
+    assert TrainingBatch.unpack_per_token(mbs[0], values)[0].tolist() == [7.0, 8.0, 9.0]
 
 
 def test_mini_batches_split_any_sample_count_evenly():

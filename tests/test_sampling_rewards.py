@@ -43,10 +43,11 @@ def test_dynamic_sampling_drops_all_equal_groups_and_refills():
     """Round 1: groups a0 [1,0] and a2 [0,1] are informative, a1 [1,1] and a3 [0,0] are not -> 2 kept,
     fewer than 3 wanted: no update. Round 2: b0 [0.5,0.2] kept -> 3 collected -> train on a0, a2, b0."""
     ds = DynamicSampling(groups_per_update=3, max_rounds=4)
-    assert ds.step(_batch([[1, 0], [1, 1], [0, 1], [0, 0]], "a"), _single_rank) is None
-    assert ds.last == {"sampling/kept_groups": 2.0, "sampling/dropped_groups": 2.0, "sampling/rounds": 1.0}
+    first = ds.step(_batch([[1, 0], [1, 1], [0, 1], [0, 0]], "a"), _single_rank)
+    assert first.batch is None
+    assert first.metrics == {"sampling/kept_groups": 2.0, "sampling/dropped_groups": 2.0, "sampling/rounds": 1.0}
     ds.commit()
-    out = ds.step(_batch([[0.5, 0.2], [3, 3]], "b"), _single_rank)
+    out = ds.step(_batch([[0.5, 0.2], [3, 3]], "b"), _single_rank).batch
     assert [r["_id"] for r in out.rows] == ["a0", "a0", "a2", "a2", "b0", "b0"]
     assert out.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     assert out.rewards.tolist() == pytest.approx([1, 0, 0, 1, 0.5, 0.2])
@@ -60,21 +61,21 @@ def test_dynamic_sampling_buffer_survives_a_failed_step():
     ds = DynamicSampling(groups_per_update=2, max_rounds=4)
     ds.step(_batch([[1, 0]], "a"), _single_rank)
     ds.commit()
-    assert ds.step(_batch([[0, 1]], "b"), _single_rank).num_groups == 2  # ... and the update fails
+    assert ds.step(_batch([[0, 1]], "b"), _single_rank).batch.num_groups == 2  # ... and the update fails
     assert ds.rounds == 1 and [r["_id"] for r in ds.buffer[0].rows] == ["a0", "a0"]
-    out = ds.step(_batch([[0, 1]], "c"), _single_rank)  # the retried step trains a0 and c0
+    out = ds.step(_batch([[0, 1]], "c"), _single_rank).batch  # the retried step trains a0 and c0
     assert [r["_id"] for r in out.rows] == ["a0", "a0", "c0", "c0"]
 
 
 def test_dynamic_sampling_discards_the_surplus_and_stops_after_max_rounds():
     ds = DynamicSampling(groups_per_update=1, max_rounds=2)
-    out = ds.step(_batch([[1, 0], [0, 1]], "a"), _single_rank)
+    out = ds.step(_batch([[1, 0], [0, 1]], "a"), _single_rank).batch
     assert [r["_id"] for r in out.rows] == ["a0", "a0"]  # a1 is informative too, but not carried over
     ds.commit()
-    assert ds.step(_batch([[1, 1]]), _single_rank) is None  # round 1 of 2: nothing kept, keep trying
+    assert ds.step(_batch([[1, 1]]), _single_rank).batch is None  # round 1 of 2: nothing kept, keep trying
     ds.commit()
     assert ds.rounds == 1
-    assert ds.step(_batch([[0, 0]]), _single_rank) is None  # max rounds, still nothing: skip the update
+    assert ds.step(_batch([[0, 0]]), _single_rank).batch is None  # max rounds, still nothing: skip the update
     ds.commit()
     assert ds.rounds == 0
 
@@ -86,7 +87,7 @@ def test_dynamic_sampling_ranks_train_the_same_number_of_groups():
     def two_ranks(values):
         return [min(values[0], 2.0), values[1]], values
 
-    out = ds.step(_batch([[1, 0], [0, 1], [2, 1]]), two_ranks)
+    out = ds.step(_batch([[1, 0], [0, 1], [2, 1]]), two_ranks).batch
     assert out.num_groups == 2
 
 

@@ -1,22 +1,24 @@
-"""The rollout batch of one data-parallel rank, and its packing into training micro-batches."""
+"""The rollout batch of one data-parallel rank: what its engine generated, built once."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from yatt_lightning.packing import pack_by_tokens
 
-
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
     """All samples this rank generated in one step: ``n`` completions for each of its prompts.
 
     Per-sample lists are aligned; sample ``i`` belongs to group ``group_ids[i]`` (its prompt).
-    Per-token values (``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``) are 1-D tensors over
-    the sample's completion tokens.
+    ``rollout_logprobs`` are 1-D tensors over each sample's completion tokens (the engine's).
+    A batch is a value: scoring gives a new one (:meth:`scored`) and nothing assigns its fields.
+    ``rewards`` is set once the batch is scored; ``metrics`` holds how it was generated (the long-tail
+    policy's figures), logged with the step's. What the update adds (advantages, old and reference
+    logprobs) lives in :class:`~yatt_lightning.training_batch.TrainingBatch`.
     """
 
     prompts: list[str]
@@ -28,12 +30,16 @@ class RolloutBatch:
     rollout_logprobs: list[torch.Tensor]
     finish_reasons: list[str]
     rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    old_logprobs: list[torch.Tensor] | None = None
-    ref_logprobs: list[torch.Tensor] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def scored(self, rewards: torch.Tensor) -> RolloutBatch:
+        """This batch with one reward per sample."""
+        if rewards.shape != (len(self),):
+            raise ValueError(f"a rollout batch of {len(self)} samples got rewards of shape {tuple(rewards.shape)}")
+        return dataclasses.replace(self, rewards=rewards)
 
     @property
     def num_groups(self) -> int:
@@ -61,13 +67,12 @@ class RolloutBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             finish_reasons=pick(self.finish_reasons),
             rewards=pick_tensor(self.rewards),
-            advantages=pick_tensor(self.advantages),
         )
 
     @staticmethod
-    def from_samples(samples: list[tuple], tokenizer) -> RolloutBatch:
+    def from_samples(samples: list[tuple], tokenizer, metrics: dict[str, float] | None = None) -> RolloutBatch:
         """A batch from ``(group id, row, prompt ids, completion)`` per sample; a completion is anything with
-        ``token_ids``, ``logprobs`` and ``finish_reason``."""
+        ``token_ids``, ``logprobs`` and ``finish_reason``. ``metrics``: how the batch was generated."""
         completion_ids = [c.token_ids for *_, c in samples]
         return RolloutBatch(
             prompts=[row["prompt"] for _, row, _, _ in samples],
@@ -78,6 +83,7 @@ class RolloutBatch:
             group_ids=torch.tensor([g for g, *_ in samples], dtype=torch.long),
             rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for *_, c in samples],
             finish_reasons=[c.finish_reason for *_, c in samples],
+            metrics=dict(metrics or {}),
         )
 
     @staticmethod
@@ -109,64 +115,6 @@ class RolloutBatch:
 
     def sequence_lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
-
-    def plan_by_tokens(
-        self, indices: list[int], token_budget: int, overhead_tokens: int = 256, pad_to_multiple: int = 8
-    ) -> list[list[int]]:
-        """Group ``indices`` into micro-batches whose padded size (samples x longest) fits ``token_budget``,
-        with the least padding plus ``overhead_tokens`` per micro-batch (:func:`~yatt_lightning.packing.pack_by_tokens`)."""
-        lengths = self.sequence_lengths()
-        plan = pack_by_tokens([lengths[i] for i in indices], token_budget, overhead_tokens, pad_to_multiple)
-        return [[indices[j] for j in mb] for mb in plan]
-
-    def microbatches(
-        self,
-        indices: list[int],
-        micro_batch_size: int,
-        pad_id: int,
-        pad_to_multiple: int = 8,
-        plan: list[list[int]] | None = None,
-    ) -> list[dict]:
-        """Right-padded micro-batches of the samples ``indices`` (in that order), ``micro_batch_size``
-        each, or following ``plan`` (lists of sample indices) when given.
-
-        Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
-        completion token), ``sample_index [b]``, ``rollout_logprobs`` (the engine's) and, where known,
-        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages [b]``.
-        """
-        out = []
-        chunks = plan or [indices[s : s + micro_batch_size] for s in range(0, len(indices), micro_batch_size)]
-        for chunk in chunks:
-            longest = max(len(self.prompt_ids[i]) + len(self.completion_ids[i]) for i in chunk)
-            seq = -(-longest // pad_to_multiple) * pad_to_multiple
-            ids = torch.full((len(chunk), seq), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), seq - 1), dtype=torch.float)
-            per_token = {
-                k: torch.zeros((len(chunk), seq - 1)) for k in ("rollout_logprobs", "old_logprobs", "ref_logprobs")
-            }
-            for row, i in enumerate(chunk):
-                p, c = self.prompt_ids[i], self.completion_ids[i]
-                ids[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-                span = slice(len(p) - 1, len(p) - 1 + len(c))
-                mask[row, span] = 1.0
-                for key in per_token:
-                    values = getattr(self, key)
-                    if values is not None:
-                        per_token[key][row, span] = values[i]
-            mb = {"input_ids": ids, "loss_mask": mask, "sample_index": torch.tensor(chunk)}
-            for key, values in per_token.items():
-                if getattr(self, key) is not None:
-                    mb[key] = values
-            if self.advantages is not None:
-                mb["advantages"] = self.advantages[chunk].float()
-            out.append(mb)
-        return out
-
-    @staticmethod
-    def unpack_per_token(mb: dict, values: torch.Tensor) -> list[torch.Tensor]:
-        """Per-sample completion-token slices of a ``[b, s-1]`` tensor computed for micro-batch ``mb``."""
-        mask = mb["loss_mask"].bool()
-        return [values[row][mask[row]].detach().clone() for row in range(values.shape[0])]
 
 
 def mini_batch_slices(n: int, parts: int) -> list[slice]:

@@ -35,9 +35,8 @@ if TYPE_CHECKING:
 
 
 class LongTailPolicy:
-    """Base class: how a step's request is generated (:meth:`rollout`), and how many of its groups are kept."""
-
-    last: dict[str, float] = {}  # this step's figures, logged with the step's metrics
+    """Base class: how a step's request is generated (:meth:`rollout`), and how many of its groups are kept.
+    A policy's figures of the step travel in the batch it returns (``RolloutBatch.metrics``)."""
 
     def keep_count(self, n_prompts: int) -> int:
         return n_prompts
@@ -46,9 +45,10 @@ class LongTailPolicy:
         """This step's rollouts: ``sampling.n`` completions of each kept prompt, generated through ``service``."""
         keep = self.keep_count(len(request.prompt_ids))
         generation = service.generate(request, keep)
+        metrics = {}
         if keep < len(request.prompt_ids):
-            self.last = {"long_tail/kept_groups": float(sum(g is not None for g in generation.groups))}
-        return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups)
+            metrics["long_tail/kept_groups"] = float(sum(g is not None for g in generation.groups))
+        return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups, metrics)
 
     def stream(
         self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None
@@ -149,12 +149,12 @@ class PartialRollout(LongTailPolicy):
         take = done[: int(lows[0])]
         taken = set(take)
         self._next = [group for i, group in enumerate(groups) if i not in taken]
-        self.last = {
+        metrics = {
             "long_tail/carried_groups": float(len(self._next)),
             "long_tail/finished_groups": float(len(take)),
         }
         samples = [(k, s.row, s.prompt_ids, s) for k, i in enumerate(take) for s in groups[i]]
-        return RolloutBatch.from_samples(samples, service.setup.tokenizer)
+        return RolloutBatch.from_samples(samples, service.setup.tokenizer, metrics)
 
     def commit(self) -> None:
         if self._next is not None:

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
+from yatt_lightning.algorithms.advantage import Advantages
 from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
@@ -32,6 +33,7 @@ from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSe
 from yatt_lightning.sampling import DynamicSampling
 from yatt_lightning.seeding import resolve_seed, sampling_seed
 from yatt_lightning.step_metrics import reduce_token_metrics, step_stats
+from yatt_lightning.training_batch import TrainingBatch
 
 # Per-token quantities summed in the loss function and averaged over tokens for logging.
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
@@ -198,13 +200,12 @@ class RLHFModule(pl.LightningModule):
     def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
         t0 = time.perf_counter()
-        error, rollouts = None, None
-        t1 = t0
+        error, rollouts, t1 = None, None, t0
         try:
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
             if len(rollouts):  # partial rollout: no group may have finished on some rank this step
-                rollouts.rewards = self.reward(rollouts)
+                rollouts = rollouts.scored(self.reward(rollouts))
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
             if isinstance(err, RankFailure) and err.agreed:
                 raise  # already collective: every rank raises it at the same point
@@ -214,27 +215,24 @@ class RLHFModule(pl.LightningModule):
         if len(rollouts) == 0:
             self.commit_step_state()
             return None
-        generated = rollouts
+        figures = dict(rollouts.metrics)  # the components' own figures of the step, logged as named
+        train_on: RolloutBatch | None = rollouts
         if self.dynamic_sampling is not None:
-            rollouts = self.dynamic_sampling.step(rollouts, strategy.all_reduce_min_max)
+            sampled = self.dynamic_sampling.step(rollouts, strategy.all_reduce_min_max)
+            train_on = sampled.batch
+            figures.update(sampled.metrics)
         stats = None
-        if rollouts is not None:
-            rollouts.advantages = self.advantage(rollouts, rollouts.rewards)
-            stats = self.update(rollouts)
+        if train_on is not None:
+            advantages = Advantages.of(self.advantage(train_on, train_on.rewards), len(train_on))
+            stats = self.update(train_on, advantages)
         t3 = time.perf_counter()
         sync = strategy.rollout.sync_seconds
-        self.phase_times = {
-            "rollout": t1 - t0 - sync,
-            "sync": sync,
-            "reward": t2 - t1,
-            "train": t3 - t2,
-            "step": t3 - t0,
-        }
+        self.phase_times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}  # fmt: skip
         self.commit_step_state()
-        self.last_rollouts = generated
-        summary = step_stats(self, generated, stats)
+        self.last_rollouts = rollouts
+        summary = step_stats(self, rollouts, stats, figures)
         self.reward_metrics = {}
-        return {"reward_mean": float(generated.rewards.mean()), "stats": summary}
+        return {"reward_mean": float(rollouts.rewards.mean()), "stats": summary}
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
@@ -254,34 +252,40 @@ class RLHFModule(pl.LightningModule):
             self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
         return scores.total
 
-    def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
-        """One advantage per sample."""
-        return self.advantage_estimator(rewards, rollouts.group_ids)
+    def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> Advantages:
+        """One advantage per sample (an override may return a plain ``[N]`` tensor)."""
+        return Advantages(self.advantage_estimator(rewards, rollouts.group_ids))
 
-    def update(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the rollouts."""
+    def update(self, rollouts: RolloutBatch, advantages: Advantages) -> dict[str, float]:
+        """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the scored rollouts.
+        Returns the update's figures: the token means of :data:`_TOKEN_METRICS`, ``grad_norm`` and
+        ``logprob_diff_max`` (logged as ``actor/...``), and the load balancer's, logged under their names."""
         self.trainer.strategy.rollout.prepare_training()
+        batch, figures = TrainingBatch(rollouts, advantages), {}
         if self.balancer is not None:
             with wire.category("rollout"):
-                rollouts = self.balancer.rebalance(self, rollouts)
-        everything = list(range(len(rollouts)))
-        if self.ppo_epochs * len(mini_batch_slices(len(rollouts), self.mini_batches)) > 1:
+                rebalanced = self.balancer.rebalance(self, batch)
+            batch, figures = rebalanced.batch, rebalanced.metrics
+        everything = list(range(len(batch)))
+        old = ref = None
+        if self.ppo_epochs * len(mini_batch_slices(len(batch), self.mini_batches)) > 1:
             # More than one optimizer step per rollout batch: later ones need the logprobs from before the first.
-            rollouts.old_logprobs = self.compute_logprobs(self.policy, rollouts, everything)
+            old = self.compute_logprobs(self.policy, batch, everything)
         # Otherwise the step is exactly on-policy: the training forward's own logprobs, detached, are the old
         # ones (``_loss_fn``), which saves a forward pass over every token.
         if self.reference is not None:
-            rollouts.ref_logprobs = self.compute_logprobs(self.reference, rollouts, everything)
+            ref = self.compute_logprobs(self.reference, batch, everything)
+        batch = TrainingBatch(batch.rollouts, batch.advantages, old_logprobs=old, ref_logprobs=ref)
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         first_forward, forward_diff = True, 0.0  # engine/policy agreement, from the first (pre-update) forward
         optimizer = self.optimizers()
         shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
         for _ in range(self.ppo_epochs):
-            order = torch.randperm(len(rollouts), generator=shuffle).tolist()
+            order = torch.randperm(len(batch), generator=shuffle).tolist()
             for part in mini_batch_slices(len(order), self.mini_batches):
                 optimizer.zero_grad()
-                mbs = self.microbatches(rollouts, order[part])
+                mbs = self.microbatches(batch, order[part])
                 with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
                     outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
@@ -299,11 +303,9 @@ class RLHFModule(pl.LightningModule):
         stats = reduce_token_metrics(self.trainer.strategy.controller, sums, _TOKEN_METRICS)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         stats["logprob_diff_max"] = (
-            max_abs_difference(rollouts.old_logprobs, rollouts.rollout_logprobs)
-            if rollouts.old_logprobs is not None
-            else forward_diff
+            max_abs_difference(old, batch.rollouts.rollout_logprobs) if old is not None else forward_diff
         )
-        return stats
+        return {**stats, **figures}
 
     def commit_step_state(self) -> None:
         """The step's rollouts are consumed: rollouts waiting across steps (dynamic sampling's buffer,
@@ -380,14 +382,14 @@ class RLHFModule(pl.LightningModule):
             },
         )
 
-    def compute_logprobs(self, model, rollouts: RolloutBatch, indices: list[int]) -> list[torch.Tensor] | None:
+    def compute_logprobs(self, model, batch: TrainingBatch, indices: list[int]) -> list[torch.Tensor] | None:
         """Per-sample logprobs of the completion tokens under ``model`` (forward only; ``None`` on pipeline
         stages other than the last)."""
-        return sample_logprobs(model, self.microbatches(rollouts, indices), len(rollouts), self.sampling.temperature)
+        return sample_logprobs(model, self.microbatches(batch, indices), len(batch), self.sampling.temperature)
 
-    def microbatches(self, rollouts: RolloutBatch, indices: list[int]) -> list[dict]:
+    def microbatches(self, batch: TrainingBatch, indices: list[int]) -> list[dict]:
         """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
         budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
         overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
-        plan = rollouts.plan_by_tokens(indices, budget, overhead) if budget else None
-        return rollouts.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)
+        plan = batch.plan_by_tokens(indices, budget, overhead) if budget else None
+        return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)

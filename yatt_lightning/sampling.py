@@ -16,7 +16,17 @@ every update trains on samples of the current policy only; the buffer is saved i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from yatt_lightning.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One round of dynamic sampling: the batch to train on (``None``: no update this step) and its figures."""
+
+    batch: RolloutBatch | None
+    metrics: dict[str, float]
 
 
 class DynamicSampling:
@@ -38,7 +48,6 @@ class DynamicSampling:
         self.min_reward_std = min_reward_std
         self.buffer: list[RolloutBatch] = []
         self.rounds = 0
-        self.last: dict[str, float] = {}
         self._next: tuple[list[RolloutBatch], int] | None = None  # the state once the step commits
 
     def informative_groups(self, rollouts: RolloutBatch) -> list[int]:
@@ -51,8 +60,8 @@ class DynamicSampling:
                 keep.append(g)
         return keep
 
-    def step(self, rollouts: RolloutBatch, all_reduce_min_max) -> RolloutBatch | None:
-        """Add a round's scored rollouts; return the batch to train on, or None if more rounds are needed.
+    def step(self, rollouts: RolloutBatch, all_reduce_min_max) -> Sampled:
+        """Add a round's scored rollouts; the batch to train on, or ``None`` if more rounds are needed.
         The buffer changes only at :meth:`commit` (when the step is done), so a step that fails leaves it as
         it was.
 
@@ -61,7 +70,7 @@ class DynamicSampling:
         keep = self.informative_groups(rollouts)
         buffer = self.buffer + ([rollouts.select_groups(keep)] if keep else [])
         rounds = self.rounds + 1
-        self.last = {
+        metrics = {
             "sampling/kept_groups": float(len(keep)),
             "sampling/dropped_groups": float(rollouts.num_groups - len(keep)),
             "sampling/rounds": float(rounds),
@@ -70,13 +79,13 @@ class DynamicSampling:
         fewest, most_rounds = int(lows[0]), int(highs[1])
         if fewest < self.groups_per_update and most_rounds < self.max_rounds:
             self._next = (buffer, rounds)
-            return None
+            return Sampled(None, metrics)
         take = min(fewest, self.groups_per_update)
-        self.last["sampling/groups_trained"] = float(take)
+        metrics["sampling/groups_trained"] = float(take)
         self._next = ([], 0)
         if take == 0:
-            return None  # not one informative group on some rank after max_rounds: skip this update
-        return RolloutBatch.concat(buffer).select_groups(list(range(take)))
+            return Sampled(None, metrics)  # not one informative group on some rank after max_rounds: no update
+        return Sampled(RolloutBatch.concat(buffer).select_groups(list(range(take))), metrics)
 
     def commit(self) -> None:
         if self._next is not None:
@@ -90,4 +99,4 @@ class DynamicSampling:
         self.buffer, self.rounds = state["buffer"], state["rounds"]
 
 
-__all__ = ["DynamicSampling"]
+__all__ = ["DynamicSampling", "Sampled"]

@@ -26,9 +26,15 @@ class StepStats:
     samples_count: int  # samples the step's means are over
 
 
-def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -> StepStats:
+# The update's figures logged as ``actor/<name>``; its other figures (the load balancer's) keep their names.
+_ACTOR_KEYS = ("pg_loss", "kl", "clip_fraction", "entropy", "ratio", "grad_norm")
+
+
+def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None, figures: dict[str, float]) -> StepStats:
     """Collective: rollout and reward statistics every step; actor statistics when the step updated the
-    policy (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory."""
+    policy (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory.
+    ``stats``: what ``update`` returned; ``figures``: the step's other components' figures (the long-tail
+    policy's, in ``RolloutBatch.metrics``, and dynamic sampling's), logged as they are named."""
     strategy = module.trainer.strategy
     controller = strategy.controller
     rewards = rollouts.rewards
@@ -67,23 +73,11 @@ def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None) -
         else:
             metrics[key] = value
     if stats is not None:
-        metrics.update(
-            {
-                "actor/pg_loss": stats["pg_loss"],
-                "actor/kl": stats["kl"],
-                "actor/clip_fraction": stats["clip_fraction"],
-                "actor/entropy": stats["entropy"],
-                "actor/ratio": stats["ratio"],
-                "actor/grad_norm": stats["grad_norm"],
-                "actor/lr": module.optimizer_settings.lr_at(max(module.trainer.global_step - 1, 0)),
-                "rollout/logprob_diff_max": lp_diff,
-            }
-        )
-    if module.dynamic_sampling is not None:
-        metrics.update(module.dynamic_sampling.last)
-    metrics.update(getattr(module.long_tail, "last", {}))
-    if module.balancer is not None:
-        metrics.update(module.balancer.last)
+        metrics.update({f"actor/{k}": stats[k] for k in _ACTOR_KEYS})
+        metrics["actor/lr"] = module.optimizer_settings.lr_at(max(module.trainer.global_step - 1, 0))
+        metrics["rollout/logprob_diff_max"] = lp_diff
+        metrics.update({k: v for k, v in stats.items() if "/" in k})
+    metrics.update(figures)
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics.update(_per_rank(strategy, times))
     samples = [

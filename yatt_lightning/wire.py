@@ -57,6 +57,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -233,7 +234,7 @@ def reset() -> None:
 
 
 def _wrap(name: str, original: Callable) -> Callable:
-    def counted(*args, **kwargs):
+    def counted(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_inside, "depth", 0)
         if depth == 0:
             _count(name, args, kwargs)

@@ -99,7 +99,7 @@ class Faulty(RLHFModule):
                 raise ValueError(f"injected failure in the rollout of step {KILL['step']}")
         return out
 
-    def update(self, rollouts):
+    def update(self, rollouts, advantages):
         if KILL["phase"] == "train" and self.trainer.global_step == KILL["step"]:
             original = self.optimizers().step
 
@@ -108,7 +108,7 @@ class Faulty(RLHFModule):
                 die(f"after the first optimizer step of step {KILL['step']}")
 
             self.optimizers().step = step_then_die
-        return super().update(rollouts)
+        return super().update(rollouts, advantages)
 
 
 class Recorder(Callback):

@@ -9,7 +9,31 @@ up-weighting groups that are nearly solved. A group whose rewards are all equal 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """One advantage per sample of a rollout batch (``values [N]``, float), what the update trains on."""
+
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 1:
+            raise ValueError(f"advantages are one value per sample ([N]); got shape {tuple(self.values.shape)}")
+
+    @staticmethod
+    def of(value: Advantages | torch.Tensor, n_samples: int) -> Advantages:
+        """``value`` as advantages of ``n_samples`` samples (an ``advantage`` hook may return a plain tensor)."""
+        out = value if isinstance(value, Advantages) else Advantages(torch.as_tensor(value).float())
+        if len(out.values) != n_samples:
+            raise ValueError(f"the `advantage` hook returned {len(out.values)} advantages for {n_samples} samples")
+        return out
+
+    def select(self, indices: list[int]) -> Advantages:
+        return Advantages(self.values[indices])
 
 
 class AdvantageEstimator:

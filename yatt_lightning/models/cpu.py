@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,7 +82,7 @@ _TO_LIKE = frozenset({torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_
 class _CudaToCpuMode(TorchFunctionMode):
     # Called for every torch operation inside the context: keep the common path (no device argument,
     # nothing special) to two cheap checks.
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         if kwargs:
             device = kwargs.get("device")
             if device is not None and _is_cuda_device(device):
@@ -121,7 +122,7 @@ class _FakeStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *args, **kwargs):
+    def record_event(self, *args, **kwargs) -> _FakeEvent:
         return _FakeEvent()
 
 
@@ -145,7 +146,7 @@ class _FakeEvent:
         return 0.0
 
 
-def _noop():
+def _noop() -> Callable[..., None]:
     """A fresh no-op function per stand-in: torch.compile refuses one object registered under two names."""
 
     def noop(*args, **kwargs) -> None:
@@ -212,7 +213,7 @@ def _defer_checkpoint_clones() -> None:
     prepare = fa.FileSystemWriterAsync.prepare_write_data
     write_item = fa._write_item
 
-    def prepare_without_clones(self, plan, planner):
+    def prepare_without_clones(self, plan, planner) -> Any:
         _clones_deferred.on = True
         try:
             return prepare(self, plan, planner)
@@ -220,7 +221,7 @@ def _defer_checkpoint_clones() -> None:
             _clones_deferred.on = False
 
     @functools.wraps(write_item)  # Megatron inspects the signature
-    def write_item_cloning_views(*args, **kwargs):
+    def write_item_cloning_views(*args, **kwargs) -> Any:
         args = tuple(
             a.clone() if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() != a.numel() * a.itemsize else a
             for a in args
@@ -266,13 +267,13 @@ def megatron_cpu_context() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------
 # RNG
-def _cpu_tracker_class():
+def _cpu_tracker_class() -> type:
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(CudaRNGStatesTracker):
         """Megatron's named RNG states, kept as CPU generator states."""
 
-        def add(self, name, seed):
+        def add(self, name, seed) -> None:
             self._is_initialized = True
             if seed in self.seeds_:
                 raise Exception(f"seed {seed} already exists")
@@ -282,7 +283,7 @@ def _cpu_tracker_class():
             self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
         @contextlib.contextmanager
-        def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
             outer = torch.get_rng_state()

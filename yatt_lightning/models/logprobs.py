@@ -37,13 +37,13 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def sample_logprobs(model, microbatches: list[dict], n_samples: int, temperature: float) -> list[torch.Tensor] | None:
-    """Per-sample completion-token logprobs of ``microbatches`` (from ``RolloutBatch.microbatches``) under
+    """Per-sample completion-token logprobs of ``microbatches`` (from ``TrainingBatch.microbatches``) under
     ``model`` (a ``MegatronPolicy``, forward only); ``None`` on pipeline stages other than the last."""
-    from yatt_lightning.batch import RolloutBatch
+    from yatt_lightning.training_batch import TrainingBatch
 
     def collect(mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], temperature)
-        return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": RolloutBatch.unpack_per_token(mb, lp)}
+        return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": TrainingBatch.unpack_per_token(mb, lp)}
 
     outputs = model.forward_backward(microbatches, collect, forward_only=True)
     if not outputs:  # not the last pipeline stage: only the last stage computes the loss

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -198,7 +199,7 @@ class MegatronPolicy(torch.nn.Module):
         return sum(p.numel() for p in self.local_module().parameters())
 
 
-def _wrap_for_training(gpt, config, settings: OptimizerSettings):
+def _wrap_for_training(gpt, config, settings: OptimizerSettings) -> tuple[Any, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

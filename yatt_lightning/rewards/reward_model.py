@@ -39,7 +39,7 @@ class RewardModel(RewardFunction):
         self.max_length = max_length
         self._model = None
 
-    def _load(self):
+    def _load(self) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the policy's engine is started with (from the module's configuration)."""
+    """What the policy's engine is started with, derived from the module's configuration; the engine's
+    own settings and how the two combine: :class:`~yatt_lightning.rollout.vllm_engine.VLLMEngine`."""
 
     model_path: Path
     seed: int
@@ -172,7 +173,10 @@ class RolloutService:
         """Before the update: the training state back on the device (a no-op on CPU)."""
         self._require_setup().policy.onload()
 
-    def groups_to_batch(self, rows: list[dict], prompt_ids: list[list[int]], groups: list) -> RolloutBatch:
-        """A batch of the kept groups' samples, in prompt order (the layout every controller relies on)."""
+    def groups_to_batch(
+        self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict[str, float] | None = None
+    ) -> RolloutBatch:
+        """A batch of the kept groups' samples, in prompt order (the layout every controller relies on);
+        ``metrics``: the long-tail policy's figures of how it was generated."""
         samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
-        return RolloutBatch.from_samples(samples, self._require_setup().tokenizer)
+        return RolloutBatch.from_samples(samples, self._require_setup().tokenizer, metrics)

@@ -43,6 +43,15 @@ class VLLMEngine:
 
     Constructing it is cheap; the strategy calls :meth:`start` once its process groups exist.
 
+    Every setting an engine starts with, in one place. Set by the user (``trainer.strategy.engine``, or a
+    judge's ``engine``): the arguments below. Derived from the run, never set twice: the model folder,
+    seed, ``max_num_seqs`` (prompts x ``model.sampling.n`` of one rank's step, times the ranks one engine
+    serves), ``max_model_len`` (``model.max_prompt_tokens`` + ``model.sampling.max_new_tokens``) and the
+    training dtype reach :meth:`start` as an :class:`~yatt_lightning.rollout.service.EngineSpec`, which
+    the module builds from its configuration; the tensor-parallel size is the model-parallel group's size.
+    A judge's engine takes the judge's model and ``max_judge_tokens`` instead. ``dtype`` below is the one
+    derived setting a user may override.
+
     Args:
         kv_cache_memory_bytes: KV cache size per engine. ``None``: on CPU, sized from the rollout batch
             (prompts x samples x longest sequence) with 25% headroom; on a GPU, what
