@@ -21,6 +21,8 @@ import torch
 from _common import all_reduce_max, build_cli, pop_smoke
 from lightning.pytorch import Callback
 
+from yatt_lightning.training_batch import TrainingBatch
+
 
 def rollout_consistency(module, rows: list[dict]) -> dict[str, float]:
     """Sample ``rows`` through the strategy (which pushes the current weights), then score the sampled
@@ -29,7 +31,7 @@ def rollout_consistency(module, rows: list[dict]) -> dict[str, float]:
     Collective: call on every rank at the same point.
     """
     rollouts = module.rollout(rows)
-    ours = module.compute_logprobs(module.policy, rollouts, list(range(len(rollouts))))
+    ours = module.compute_logprobs(module.policy, TrainingBatch(rollouts), list(range(len(rollouts))))
     return _compare(ours, rollouts.rollout_logprobs)
 
 
@@ -55,7 +57,7 @@ def stale_engine_consistency(module, rows: list[dict], stale_weights: Iterable[t
         rollout_logprobs=[torch.tensor(c.logprobs) for c in comps],
         finish_reasons=[c.finish_reason for c in comps],
     )
-    ours = module.compute_logprobs(module.policy, rollouts, list(range(len(rollouts))))
+    ours = module.compute_logprobs(module.policy, TrainingBatch(rollouts), list(range(len(rollouts))))
     return _compare(ours, rollouts.rollout_logprobs)
 
 
