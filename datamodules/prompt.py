@@ -15,6 +15,7 @@ the same order as the shards above) and hands it to the controller, which gives 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,14 +55,15 @@ class PromptDataset(Dataset):
         return self.rows[index]
 
 
-def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
-    """Rows of a JSON-lines file; a malformed line is an error naming the file and line number."""
+def jsonl_objects(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """``(line number, byte offset, object)`` per non-empty line of a JSON-lines file; a line that is not
+    UTF-8, not JSON or not an object is an error naming the file and line number."""
     if not path.is_file():
         raise FileNotFoundError(f"`data.path`: {path} does not exist.")
-    rows = []
     with path.open("rb") as f:
+        offset = 0
         for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
+            where, start, offset = f"{path}:{lineno}", offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -75,17 +77,23 @@ def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
             if not isinstance(row, dict):
-                raise ValueError(
-                    f"{where}: expected a JSON object with a {prompt_key!r} field, got {type(row).__name__}."
-                )
-            if prompt_key not in row:
-                raise ValueError(f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}).")
-            if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
-                raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string.")
-            row = dict(row)
-            row["prompt"] = row.pop(prompt_key)
-            row["_source"] = where
-            rows.append(row)
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}.")
+            yield lineno, start, row
+
+
+def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
+    """Rows of a JSON-lines file; a malformed line is an error naming the file and line number."""
+    rows = []
+    for lineno, _, row in jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        if prompt_key not in row:
+            raise ValueError(f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}).")
+        if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
+            raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string.")
+        row = dict(row)
+        row["prompt"] = row.pop(prompt_key)
+        row["_source"] = where
+        rows.append(row)
     if not rows:
         raise ValueError(f"`data.path`: {path} holds no rows.")
     return rows
@@ -144,7 +152,11 @@ class PromptDataModule(pl.LightningDataModule):
     @override
     def setup(self, stage: str) -> None:
         if self.dataset is None and not (self._driver() is not None and self.trainer.global_rank != 0):
-            self.dataset = PromptDataset(self.load_rows())
+            self.dataset = self.make_dataset(self.load_rows())
+
+    def make_dataset(self, rows: list[dict]) -> Dataset:
+        """The dataset of the loaded rows (a subclass may check or decode rows as they are drawn)."""
+        return PromptDataset(rows)
 
     def _driver(self) -> Any:
         """The strategy's controller when rank 0 loads every rank's rows, else ``None``."""

@@ -9,9 +9,13 @@ gives partial credit per position so the signal is dense from step one.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import string
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 LETTERS = string.ascii_lowercase
 
@@ -50,3 +54,65 @@ class AlphabetTask:
         yield " ".join(LETTERS + LETTERS)
         yield " ".join(string.digits)
         yield ". , : ? ! - + ="
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230), "yellow": (240, 220, 40)}
+
+
+class ColourTask:
+    """Name the colour of a square: rows ``{"prompt": "<image>\\ncolour:", "images": [png], "answer": "red"}``.
+
+    The image is the only thing that differs between rows, so a policy that ignores it cannot beat
+    chance (1 in ``len(COLOURS)``). Each image is a square of the row's colour on a grey background, at a
+    random position and size, with a little noise, so the colour is not a fixed pixel. The images and the
+    JSON-lines file are written once to a folder (:meth:`write`) and read through
+    :class:`~yatt_lightning.datamodules.image_prompt.ImagePromptDataModule` like a user's dataset.
+
+    Args:
+        num_rows: Rows (images) the task yields.
+        image_size: Width and height of each image, in pixels.
+        seed: Seed of the colours, positions and noise.
+    """
+
+    def __init__(self, num_rows: int = 512, image_size: int = 56, seed: int = 0) -> None:
+        if num_rows < 1:
+            raise ValueError(f"ColourTask: `num_rows` must be >= 1, got {num_rows}.")
+        if image_size < 8:
+            raise ValueError(f"ColourTask: `image_size` must be >= 8, got {image_size}.")
+        self.num_rows, self.image_size, self.seed = num_rows, image_size, seed
+
+    def images(self) -> Iterator[tuple[str, Any]]:
+        """(colour, PIL image) per row."""
+        from PIL import Image, ImageDraw
+
+        rng = random.Random(self.seed)
+        size = self.image_size
+        for _ in range(self.num_rows):
+            name = rng.choice(sorted(COLOURS))
+            image = Image.new("RGB", (size, size), (128, 128, 128))
+            side = rng.randint(size // 2, size - 4)
+            x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+            jitter = [max(0, min(255, c + rng.randint(-20, 20))) for c in COLOURS[name]]
+            ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=tuple(jitter))
+            yield name, image
+
+    def write(self, folder: Path) -> Path:
+        """Write the images and ``prompts.jsonl`` under ``folder`` (once); returns the jsonl path."""
+        path = folder / "prompts.jsonl"
+        if path.is_file():
+            return path
+        (folder / "images").mkdir(parents=True, exist_ok=True)
+        lines = []
+        for i, (name, image) in enumerate(self.images()):
+            image.save(folder / "images" / f"{i}.png")
+            lines.append(json.dumps({"prompt": "<image>\ncolour:", "images": [f"images/{i}.png"], "answer": name}))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def corpus() -> Iterator[str]:
+        """Text covering the task's vocabulary (the tiny VLM's tokenizer)."""
+        yield "colour: " + " ".join(sorted(COLOURS))
+        yield from AlphabetTask.corpus()

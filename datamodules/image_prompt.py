@@ -1,0 +1,183 @@
+"""ImagePromptDataModule: image-and-text prompts, each rank reading only the images of the rows it owns.
+
+Rows of a JSON-lines file, in either shape::
+
+    {"prompt": "<image>\\nWhat colour is the square?", "images": ["img/0.png"], "answer": "red"}
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,..."},
+                                               {"type": "text", "text": "What colour is the square?"}]}],
+     "answer": "red"}
+
+Image paths are relative to the dataset file. ``<image>`` marks where each image goes in the prompt; a
+plain row without marks gets one per image in front of its text; a chat row's parts are joined in order.
+Reading the file keeps only where each image is (inline data is dropped after the line is parsed, and
+read again from the file when needed). A row's images are hashed, checked and decoded when the row is
+first drawn, on the rank that owns it (in its data loader); the row then carries
+:class:`~yatt_lightning.datamodules.images.ImageRef` values, never pixels.
+
+A bad image (missing, not an image, truncated, over ``max_image_bytes`` / ``max_image_pixels``) is an
+error naming the row, the image and the fix; with ``on_bad_image="skip"`` the row is replaced by the next
+good row of the dataset and counted (:attr:`ImagePromptDataModule.skipped`, logged as ``data/skipped_rows``),
+so every rank still draws as many rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from torch.utils.data import Dataset
+from typing_extensions import override
+from yatt_lightning.datamodules.images import (
+    INLINE_PREFIX,
+    ImageError,
+    ImageLimits,
+    ImageRef,
+    image_values,
+    load_image,
+    reference,
+)
+from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
+
+IMAGE_MARK = "<image>"
+
+
+def _prompt_text(row: dict, where: str, n_images: int) -> str:
+    """The row's prompt with one ``<image>`` mark per image."""
+    if "messages" in row:
+        parts = []
+        for message in row["messages"]:
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else [{"type": "text", "text": content}]:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    parts.append(IMAGE_MARK)
+                elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                else:
+                    raise ValueError(
+                        f"{where}: a message part must be {{'type': 'text', 'text': ...}} or an image, got {part!r}."
+                    )
+        text = "\n".join(parts)
+    elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        text = row["prompt"]
+        if IMAGE_MARK not in text:
+            text = f"{IMAGE_MARK}\n" * n_images + text
+    else:
+        raise ValueError(f"{where}: a row needs a non-empty 'prompt' string or chat 'messages'.")
+    if text.count(IMAGE_MARK) != n_images:
+        raise ValueError(f"{where}: the prompt has {text.count(IMAGE_MARK)} {IMAGE_MARK} marks for {n_images} images.")
+    return text
+
+
+def read_image_jsonl(path: Path) -> list[dict]:
+    """Rows of an image-and-text JSON-lines file: the prompt with its image marks, where each image is
+    (``_images``: the path, or ``None`` for inline data, re-read from the line at ``_offset``), and the
+    row's other fields. Nothing is hashed or decoded here."""
+    rows = []
+    for lineno, offset, raw in jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        values = image_values(raw)
+        row = {k: v for k, v in raw.items() if k not in ("prompt", "messages", "images")}
+        row["prompt"] = _prompt_text(raw, where, len(values))
+        row["_images"] = [None if isinstance(v, str) and v.startswith(INLINE_PREFIX) else v for v in values]
+        row.update(_source=where, _line=lineno, _offset=offset)
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"`data.path`: {path} holds no rows.")
+    return rows
+
+
+class ImagePromptDataset(Dataset):
+    """Rows whose images are checked and decoded when drawn; a bad one raises, or (``skip``) the next good
+    row stands in and is counted."""
+
+    def __init__(self, rows: list[dict], path: Path, limits: ImageLimits, on_bad_image: str) -> None:
+        self.rows, self.path, self.limits, self.on_bad_image = rows, path, limits, on_bad_image
+        self.bad: set[int] = set()  # rows whose images failed (skip mode)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def resolve(self, index: int) -> dict:
+        """Row ``index`` with ``images``: a checked :class:`ImageRef` per image (decoded once, here)."""
+        row = dict(self.rows[index])
+        refs = []
+        for k, value in enumerate(row.pop("_images")):
+            if value is None:  # inline: read the data again from its line
+                with self.path.open("rb") as f:
+                    f.seek(row["_offset"])
+                    value = image_values(json.loads(f.readline()))[k]
+            ref = reference(value, base=self.path, where=row["_source"], limits=self.limits, line=row["_line"],
+                            offset=row["_offset"], index=k)  # fmt: skip
+            load_image(ref, self.limits)
+            refs.append(ref)
+        row["images"] = refs
+        return row
+
+    @property
+    def skipped(self) -> int:
+        """Rows found bad so far (each counted once, however often it was drawn)."""
+        return len(self.bad)
+
+    def __getitem__(self, index: int) -> dict:
+        for attempt in range(len(self.rows)):
+            i = (index + attempt) % len(self.rows)
+            if i in self.bad:
+                continue
+            try:
+                return self.resolve(i)
+            except ImageError:
+                if self.on_bad_image == "raise":
+                    raise
+                self.bad.add(i)
+        raise ValueError(f"`data.path`: every row of {self.path} has a bad image; nothing to train on.")
+
+
+class ImagePromptDataModule(PromptDataModule):
+    """Args (besides :class:`~yatt_lightning.datamodules.prompt.PromptDataModule`'s):
+
+    path: The JSON-lines file of image-and-text rows (required).
+    on_bad_image: ``"raise"`` (default): a bad image stops the run naming the row and the image;
+        ``"skip"``: the next good row stands in, and the count is logged.
+    max_image_bytes: Largest image file (or inline data) accepted, in bytes.
+    max_image_pixels: Largest decoded image accepted, in pixels (width x height).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 16,
+        on_bad_image: Literal["raise", "skip"] = "raise",
+        max_image_bytes: int = 20 * 2**20,
+        max_image_pixels: int = 4096 * 4096,
+        shuffle: bool = True,
+        seed: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
+        if on_bad_image not in ("raise", "skip"):
+            raise ValueError(f"`data.on_bad_image` must be 'raise' or 'skip', got {on_bad_image!r}.")
+        for key, value in (("max_image_bytes", max_image_bytes), ("max_image_pixels", max_image_pixels)):
+            if value < 1:
+                raise ValueError(f"`data.{key}` must be >= 1, got {value}.")
+        self.on_bad_image = on_bad_image
+        self.limits = ImageLimits(max_image_bytes, max_image_pixels)
+
+    @override
+    def load_rows(self) -> list[dict]:
+        rows = read_image_jsonl(Path(self.path))
+        for i, row in enumerate(rows):
+            row["_id"] = i
+        return rows
+
+    @override
+    def make_dataset(self, rows: list[dict]) -> ImagePromptDataset:
+        return ImagePromptDataset(rows, Path(self.path), self.limits, self.on_bad_image)
+
+    @property
+    def skipped(self) -> int:
+        """Rows replaced because of a bad image, on this rank (in its data loader's process)."""
+        return getattr(self.dataset, "skipped", 0)
+
+
+__all__ = ["IMAGE_MARK", "ImagePromptDataModule", "ImagePromptDataset", "ImageRef", "read_image_jsonl"]
