@@ -142,3 +142,12 @@ def test_the_colour_task_can_only_be_solved_by_looking(tmp_path):
         distance = {c: sum(abs(a - b) for a, b in zip(COLOURS[c], dominant, strict=True)) for c in COLOURS}
         assert min(distance, key=distance.get) == r["answer"]
     assert ColourTask(num_rows=64, seed=3).write(tmp_path / "colours") == path  # written once
+
+
+def test_the_vision_shim_refuses_versions_it_was_not_checked_with(monkeypatch):
+    from yatt_lightning import vision_shim
+
+    assert vision_shim.needed(), "this CPU stack has no torchvision (../shared/CPU-STACK.md)"
+    monkeypatch.setitem(vision_shim.PINNED, "transformers", "0.0.1")
+    with pytest.raises(RuntimeError, match=r"checked with transformers==0.0.1, found 5\."):
+        vision_shim.install()

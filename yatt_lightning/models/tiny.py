@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,18 @@ def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
     """Build (once) and return the folder of a random-initialised Qwen2-style model of ``shape`` (default:
     the tiny one) with the locally trained tokenizer; safe under concurrent ranks."""
     shape = TINY_QWEN2_SHAPE if shape is None else shape
-    from filelock import FileLock
-
     from yatt_lightning.datamodules.tasks import AlphabetTask
 
     key = hashlib.sha256(json.dumps([shape, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
     out = cache_dir() / f"{'tiny-' if shape == TINY_QWEN2_SHAPE else ''}qwen2-{key.hexdigest()[:12]}"
+    return build_once(out, lambda tmp: _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus(), shape))
+
+
+def build_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """``out``, written by ``write(folder)`` the first time (into a temporary folder, renamed when complete);
+    safe when several ranks build it at once."""
+    from filelock import FileLock
+
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +107,7 @@ def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
             return out
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
-            _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus(), shape)
+            write(tmp)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -88,6 +88,7 @@ class VLLMEngine:
         self.dtype = dtype
         self.sleep_level = sleep_level
         self._batches = 0
+        self.multimodal = False  # a vision-language model (known once started)
         self.llm = None
         self.asleep = False
 
@@ -103,6 +104,14 @@ class VLLMEngine:
         dtype: str = "auto",
     ) -> None:
         set_vllm_env()
+        from transformers import AutoConfig
+
+        self.multimodal = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+        if self.multimodal:
+            from yatt_lightning import vision_shim
+
+            vision_shim.install()
+            vision_shim.subprocess_env()
         from vllm import LLM
 
         from yatt_lightning.rollout import vllm_shutdown
@@ -163,10 +172,11 @@ class VLLMEngine:
         sampling: SamplingConfig,
         seeds: list[int],
         max_new_tokens: list[int] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt, in prompt order."""
         results: list[list[Completion]] = [[] for _ in prompts]
-        for index, group in self.generate_stream(prompts, sampling, seeds, max_new_tokens):
+        for index, group in self.generate_stream(prompts, sampling, seeds, max_new_tokens, images):
             results[index] = group
         return results
 
@@ -176,11 +186,14 @@ class VLLMEngine:
         sampling: SamplingConfig,
         seeds: list[int],
         max_new_tokens: list[int] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> Iterator[tuple[int, list[Completion]]]:
         """Yield ``(prompt index, its n completions)`` as each prompt's samples all finish.
 
-        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt. Closing the iterator early
-        aborts the requests still running (over-provisioning keeps the first groups that finish).
+        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt. ``images``: per prompt, the
+        decoded images its ids hold one image token for each (the engine expands each to the model's image
+        tokens). Closing the iterator early aborts the requests still running (over-provisioning keeps the
+        first groups that finish).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -204,7 +217,10 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, with all n samples
             )
             request_id = f"yatt-{self._batches}-{i}"
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            inputs = TokensPrompt(prompt_token_ids=prompt)
+            if images is not None and images[i]:
+                inputs["multi_modal_data"] = {"image": images[i]}
+            engine.add_request(request_id, inputs, params)
             pending[request_id] = i
         try:
             while pending:
@@ -255,8 +271,11 @@ class VLLMEngine:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
         self._llm().collective_rpc("yatt_reload_weights", args=(weights,))
-        # Cached keys/values were computed with the old weights.
+        # Cached keys/values, and encoder outputs of images, were computed with the old weights; vLLM clears
+        # the runner's encoder cache on reload but its scheduler would still count on it (CPU-STACK.md).
         self._llm().reset_prefix_cache()
+        if self.multimodal:
+            self._llm().llm_engine.reset_encoder_cache()
 
     def engine_parameter(self, name: str) -> torch.Tensor:
         return self._llm().collective_rpc("yatt_named_parameter", args=(name,))[0]
@@ -291,6 +310,7 @@ def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, 
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_path)
+    cfg = getattr(cfg, "text_config", cfg)  # a vision-language model's cache is its language model's
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = max(1, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tp)
     dtype_bytes = 2 if str(getattr(cfg, "dtype", None) or "float32") in ("bfloat16", "float16", "torch.bfloat16") else 4
