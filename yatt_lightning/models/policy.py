@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.models import convert
+from yatt_lightning.models import convert, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
 from yatt_lightning.optim import OptimizerSettings
@@ -45,7 +45,9 @@ class MegatronPolicy(torch.nn.Module):
 
         check_version()
         self.path = Path(path)
-        self.arch = HFArch.from_hf_config(AutoConfig.from_pretrained(self.path))
+        hf_config = AutoConfig.from_pretrained(self.path)
+        self.vision_language = vlm.is_vision_language(hf_config)  # LLaVA: vision tower + projector + this GPT
+        self.arch = HFArch.from_hf_config(hf_config.text_config if self.vision_language else hf_config)
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.arch.check_parallel(tp, pp)
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), tp
@@ -60,7 +62,12 @@ class MegatronPolicy(torch.nn.Module):
 
             gpt = build_gpt(self.arch, self.config, pre_process=self.is_first_stage, post_process=self.is_last_stage)
             self.layer_offset = get_transformer_layer_offset(self.config)
-            load_hf_weights(gpt, self.path, self.arch, self.tp_rank, tp, self.layer_offset)
+            get = _safetensors_reader(self.path)
+            reader = vlm.text_reader(get) if self.vision_language else get
+            load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
+            if self.vision_language:
+                gpt = vlm.VisionLanguageModel(hf_config, gpt, pre_process=self.is_first_stage)
+                vlm.load_vision_weights(gpt, get)
             if torch.cuda.is_available():
                 gpt.cuda(torch.cuda.current_device())
             if optimizer is None:
@@ -93,7 +100,8 @@ class MegatronPolicy(torch.nn.Module):
             seq = ids.shape[1]
             position_ids = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
             causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=ids.device), diagonal=1)
-            output = model(ids, position_ids, causal)
+            images = {"pixel_values": mb["pixel_values"]} if "pixel_values" in mb else {}
+            output = model(ids, position_ids, causal, **images)
             return output, partial(loss_fn, mb)
 
         seq_length = max(mb["input_ids"].shape[1] for mb in microbatches)
@@ -193,7 +201,10 @@ class MegatronPolicy(torch.nn.Module):
                 full = convert.unshard(name, shards)
             else:
                 full = local
-            yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
+            if self.vision_language:
+                yield from vlm.export_names(name, full, self.arch, self.layer_offset)
+            else:
+                yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.local_module().parameters())
@@ -234,8 +245,16 @@ def _wrap_for_training(gpt, config, settings: OptimizerSettings) -> tuple[Any, A
     return ddp, optimizer
 
 
-def load_hf_weights(gpt: torch.nn.Module, folder: Path, arch: HFArch, tp_rank: int, tp: int, layer_offset: int) -> None:
-    """Copy this rank's shards of the Hugging Face checkpoint in ``folder`` into ``gpt``.
+def load_hf_weights(
+    gpt: torch.nn.Module,
+    get: Callable[[str], torch.Tensor],
+    arch: HFArch,
+    tp_rank: int,
+    tp: int,
+    layer_offset: int,
+    source: Path,
+) -> None:
+    """Copy this rank's shards of the Hugging Face checkpoint read by ``get(hf name)`` into ``gpt``.
 
     Also tags each parameter as TP-sharded or replicated. Megatron-Core tags them only inside its
     weight initialisers, which are skipped here (``perform_initialization=False``, the checkpoint
@@ -244,7 +263,6 @@ def load_hf_weights(gpt: torch.nn.Module, folder: Path, arch: HFArch, tp_rank: i
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    get = _safetensors_reader(folder)
     with torch.no_grad():
         for name, param in gpt.named_parameters():
             dim = convert.tp_split_dim(name)
@@ -254,7 +272,7 @@ def load_hf_weights(gpt: torch.nn.Module, folder: Path, arch: HFArch, tp_rank: i
             part = convert.shard(name, full, tp_rank, tp)
             if part.shape != param.shape:
                 raise ValueError(
-                    f"`model.policy.path`: {folder}: tensor for {name} has shape {tuple(part.shape)} after TP "
+                    f"`model.policy.path`: {source}: tensor for {name} has shape {tuple(part.shape)} after TP "
                     f"sharding, the model expects {tuple(param.shape)}; does config.json match the weights?"
                 )
             param.copy_(part.to(param.dtype))
