@@ -120,14 +120,18 @@ def text_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Ten
             candidates.append("model.language_model." + name.removeprefix("model."))
         else:
             candidates.append(name)
-        for candidate in candidates:
-            try:
-                return get(candidate)
-            except KeyError:
-                continue
-        raise KeyError(f"`model.policy.path`: no tensor {' or '.join(candidates)}")
+        return _first(get, candidates)
 
     return read
+
+
+def _first(get: Callable[[str], torch.Tensor], candidates: list[str]) -> torch.Tensor:
+    for candidate in candidates:
+        try:
+            return get(candidate)
+        except KeyError:
+            continue
+    raise KeyError(f"`model.policy.path`: no tensor {' or '.join(candidates)}")
 
 
 def published_name(module_name: str) -> str:
@@ -144,13 +148,7 @@ def vision_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.T
 
     def read(name: str) -> torch.Tensor:
         published = published_name(name)
-        candidates = list(dict.fromkeys([published, f"model.{published}", f"model.{name}", name]))
-        for candidate in candidates:
-            try:
-                return get(candidate)
-            except KeyError:
-                continue
-        raise KeyError(f"`model.policy.path`: no tensor {' or '.join(candidates)}")
+        return _first(get, list(dict.fromkeys([published, f"model.{published}", f"model.{name}", name])))
 
     return read
 
