@@ -86,6 +86,11 @@ class DPLoadBalancer(Callback):
         if batch.old_logprobs is not None or batch.ref_logprobs is not None:
             raise ValueError("DPLoadBalancer.rebalance runs before the update computes old or reference logprobs")
         rollouts = batch.rollouts
+        if any("images" in row for row in rollouts.rows):
+            raise ValueError(
+                "DPLoadBalancer does not move image rows between ranks yet; remove it from `trainer.callbacks` "
+                "for image prompts."
+            )
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
         mine = torch.tensor(rollouts.sequence_lengths(), dtype=torch.long)

@@ -38,6 +38,7 @@ from yatt_lightning.datamodules.images import (
     reference,
 )
 from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
+from yatt_lightning.datamodules.tasks import ColourTask
 
 IMAGE_MARK = "<image>"
 
@@ -136,7 +137,9 @@ class ImagePromptDataset(Dataset):
 class ImagePromptDataModule(PromptDataModule):
     """Args (besides :class:`~yatt_lightning.datamodules.prompt.PromptDataModule`'s):
 
-    path: The JSON-lines file of image-and-text rows (required).
+    path: The JSON-lines file of image-and-text rows.
+    task: A built-in image task instead (:class:`~yatt_lightning.datamodules.tasks.ColourTask`), written
+        once under the model cache and then read like ``path``.
     on_bad_image: ``"raise"`` (default): a bad image stops the run naming the row and the image;
         ``"skip"``: the next good row stands in, and the count is logged.
     max_image_bytes: Largest image file (or inline data) accepted, in bytes.
@@ -145,7 +148,8 @@ class ImagePromptDataModule(PromptDataModule):
 
     def __init__(
         self,
-        path: str,
+        path: str | None = None,
+        task: ColourTask | None = None,
         batch_size: int = 16,
         on_bad_image: Literal["raise", "skip"] = "raise",
         max_image_bytes: int = 20 * 2**20,
@@ -154,7 +158,11 @@ class ImagePromptDataModule(PromptDataModule):
         seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
+        if (path is None) == (task is None):
+            raise ValueError("`data.path` (an image-and-text jsonl file) or `data.task` (a built-in task): set one.")
         super().__init__(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
+        self.task = None  # PromptDataModule's text task; this module's is ``image_task``
+        self.image_task = task
         if on_bad_image not in ("raise", "skip"):
             raise ValueError(f"`data.on_bad_image` must be 'raise' or 'skip', got {on_bad_image!r}.")
         for key, value in (("max_image_bytes", max_image_bytes), ("max_image_pixels", max_image_pixels)):
@@ -163,16 +171,20 @@ class ImagePromptDataModule(PromptDataModule):
         self.on_bad_image = on_bad_image
         self.limits = ImageLimits(max_image_bytes, max_image_pixels)
 
+    def source(self) -> Path:
+        """The jsonl file: ``path``, or the built-in task's, written once."""
+        return Path(self.path) if self.path is not None else self.image_task.write(self.image_task.folder())
+
     @override
     def load_rows(self) -> list[dict]:
-        rows = read_image_jsonl(Path(self.path))
+        rows = read_image_jsonl(self.source())
         for i, row in enumerate(rows):
             row["_id"] = i
         return rows
 
     @override
     def make_dataset(self, rows: list[dict]) -> ImagePromptDataset:
-        return ImagePromptDataset(rows, Path(self.path), self.limits, self.on_bad_image)
+        return ImagePromptDataset(rows, self.source(), self.limits, self.on_bad_image)
 
     @property
     def skipped(self) -> int:

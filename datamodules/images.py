@@ -19,6 +19,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 INLINE_PREFIX = "data:image/"
 
@@ -35,12 +36,12 @@ class ImageLimits:
     max_pixels: int = 4096 * 4096
 
 
-@dataclass(frozen=True)
-class ImageRef:
+class ImageRef(NamedTuple):
     """Where an image's bytes are, and their hash (never the pixels).
 
     ``path``: the image file, or for an inline image the dataset file whose line ``line`` (1-based, at byte
-    ``offset``) holds it as the ``index``-th image of its row.
+    ``offset``) holds it as the ``index``-th image of its row. A named tuple, not a frozen dataclass:
+    Lightning's batch transfer rebuilds dataclasses field by field, which a frozen one refuses.
     """
 
     path: str
@@ -153,3 +154,11 @@ def load_image(ref: ImageRef, limits: ImageLimits = ImageLimits()):  # noqa: ANN
     except (OSError, SyntaxError, ValueError) as err:  # truncated or corrupt data
         raise _fail(ref.where, f"{ref.describe()} is truncated or corrupt ({err})", "replace the file") from None
     return image.convert("RGB")
+
+
+def images_of(rows: list[dict]) -> list[list] | None:
+    """Each row's decoded images (``None`` when no row names any): what the engine is given with the prompts,
+    read here, on the rank whose engine runs them, from the rows' references."""
+    if not any("images" in row for row in rows):
+        return None
+    return [[load_image(ref) for ref in row["images"]] if "images" in row else [] for row in rows]

@@ -64,17 +64,22 @@ class ColourTask:
 
     The image is the only thing that differs between rows, so a policy that ignores it cannot beat
     chance (1 in ``len(COLOURS)``). Each image is a square of the row's colour on a grey background, at a
-    random position and size, with a little noise, so the colour is not a fixed pixel. The images and the
+    random position and size (at least ``min_fill`` of the side), its colour jittered, so the colour is
+    not a fixed pixel value. The images and the
     JSON-lines file are written once to a folder (:meth:`write`) and read through
     :class:`~yatt_lightning.datamodules.image_prompt.ImagePromptDataModule` like a user's dataset.
 
     Args:
         num_rows: Rows (images) the task yields.
         image_size: Width and height of each image, in pixels.
+        min_fill: The square's smallest side, as a fraction of the image's.
         seed: Seed of the colours, positions and noise.
     """
 
-    def __init__(self, num_rows: int = 512, image_size: int = 56, seed: int = 0) -> None:
+    def __init__(self, num_rows: int = 512, image_size: int = 56, min_fill: float = 0.75, seed: int = 0) -> None:
+        if not 0 < min_fill <= 1:
+            raise ValueError(f"ColourTask: `min_fill` must be in (0, 1], got {min_fill}.")
+        self.min_fill = min_fill
         if num_rows < 1:
             raise ValueError(f"ColourTask: `num_rows` must be >= 1, got {num_rows}.")
         if image_size < 8:
@@ -90,7 +95,7 @@ class ColourTask:
         for _ in range(self.num_rows):
             name = rng.choice(sorted(COLOURS))
             image = Image.new("RGB", (size, size), (128, 128, 128))
-            side = rng.randint(size // 2, size - 4)
+            side = rng.randint(int(size * self.min_fill), size)
             x, y = rng.randint(0, size - side), rng.randint(0, size - side)
             jitter = [max(0, min(255, c + rng.randint(-20, 20))) for c in COLOURS[name]]
             ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=tuple(jitter))
@@ -98,18 +103,28 @@ class ColourTask:
 
     def write(self, folder: Path) -> Path:
         """Write the images and ``prompts.jsonl`` under ``folder`` (once); returns the jsonl path."""
+        from filelock import FileLock
+
         path = folder / "prompts.jsonl"
-        if path.is_file():
-            return path
-        (folder / "images").mkdir(parents=True, exist_ok=True)
-        lines = []
-        for i, (name, image) in enumerate(self.images()):
-            image.save(folder / "images" / f"{i}.png")
-            lines.append(json.dumps({"prompt": "<image>\ncolour:", "images": [f"images/{i}.png"], "answer": name}))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, path)
+        folder.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder / ".lock")):  # ranks of one machine build it once
+            if path.is_file():
+                return path
+            (folder / "images").mkdir(exist_ok=True)
+            lines = []
+            for i, (name, image) in enumerate(self.images()):
+                image.save(folder / "images" / f"{i}.png")
+                lines.append(json.dumps({"prompt": "<image>\ncolour:", "images": [f"images/{i}.png"], "answer": name}))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("\n".join(lines) + "\n")
+            os.replace(tmp, path)
         return path
+
+    def folder(self) -> Path:
+        """Where the task is written by default: under the model cache, named by its arguments."""
+        from yatt_lightning.models.tiny import cache_dir
+
+        return cache_dir() / f"colour-task-{self.num_rows}-{self.image_size}-{self.min_fill}-{self.seed}"
 
     @staticmethod
     def corpus() -> Iterator[str]:

@@ -27,6 +27,7 @@ import torch
 from yatt_lightning import wire
 from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.collectives import gather_objects, scatter_objects
+from yatt_lightning.datamodules.images import images_of
 from yatt_lightning.failures import fail_together
 from yatt_lightning.rollout.base import Completion
 from yatt_lightning.rollout.service import RolloutRequest, RolloutService, Scores
@@ -87,7 +88,9 @@ class ParallelController(Controller):
     def generate(self, service, request, keep) -> list:
         groups: list = [None] * len(request.prompt_ids)
         with service.engine_ready(request.weights_version) as engine:
-            stream = service.setup.long_tail.stream(engine, request.prompt_ids, request.sampling, request.seeds, keep)
+            stream = service.setup.long_tail.stream(
+                engine, request.prompt_ids, request.sampling, request.seeds, keep, images=images_of(request.rows)
+            )
             for index, group in stream:
                 groups[index] = group
         return groups
@@ -169,7 +172,8 @@ class SingleController(Controller):
             all_prompts = [p for part in gathered for p in part[0]]
             all_seeds = [s for part in gathered for s in part[1]]
             with service.engine_ready(request.weights_version) as engine:
-                groups = engine.generate(all_prompts, request.sampling, all_seeds)
+                images = images_of([row for rows in every_rows for row in rows])  # read by the driver, from refs
+                groups = engine.generate(all_prompts, request.sampling, all_seeds, images=images)
             parts, start = [], 0
             for part in gathered:
                 parts.append(groups[start : start + len(part[0])])

@@ -51,11 +51,11 @@ class LongTailPolicy:
         return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups, metrics)
 
     def stream(
-        self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None
+        self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None, images=None
     ) -> Iterator[tuple[int, list[Completion]]]:
         """Groups as they finish; stops (aborting the rest) after ``keep`` groups. ``max_new_tokens``: a
-        budget per prompt instead of ``sampling.max_new_tokens``."""
-        stream = engine.generate_stream(prompts, sampling, seeds, max_new_tokens)
+        budget per prompt instead of ``sampling.max_new_tokens``; ``images``: each prompt's decoded images."""
+        stream = engine.generate_stream(prompts, sampling, seeds, max_new_tokens, images)
         try:
             for count, item in enumerate(stream, start=1):
                 yield item

@@ -22,6 +22,7 @@ from yatt_lightning.algorithms.advantage import Advantages
 from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
+from yatt_lightning.image_inputs import ImageInputs
 from yatt_lightning.longtail import LongTailPolicy, WaitForAll
 from yatt_lightning.models.logprobs import max_abs_difference, sample_logprobs, token_entropy, token_logprobs
 from yatt_lightning.models.spec import ModelSpec
@@ -132,6 +133,7 @@ class RLHFModule(pl.LightningModule):
         self.reference = None
         self.tokenizer = None
         self.last_rollouts: RolloutBatch | None = None
+        self.images: ImageInputs | None = None  # a vision-language policy's image tokens and pixels
         self.balancer = None  # set by callbacks.DPLoadBalancer
         self.partial_update = False  # True between the first and last optimizer step of an RL step
         self.phase_times: dict[str, float] = {}
@@ -155,6 +157,7 @@ class RLHFModule(pl.LightningModule):
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
         if self.kl_coef > 0:
             self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
+        self.images = ImageInputs(path) if self.policy.vision_language else None
         self.trainer.strategy.rollout.configure(self._rollout_setup())
 
     @override
@@ -333,6 +336,7 @@ class RLHFModule(pl.LightningModule):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not ids:
             raise ValueError(f"prompt {prompt!r} ({row.get('_source', 'built-in task')}) tokenizes to nothing.")
+        ids = self.images.expand(ids, row) if self.images is not None else ids
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt of {len(ids)} tokens ({row.get('_source', 'built-in task')}) is longer than "
@@ -392,4 +396,5 @@ class RLHFModule(pl.LightningModule):
         budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
         overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
         plan = batch.plan_by_tokens(indices, budget, overhead) if budget else None
-        return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan)
+        pixels = self.images.pixels if self.images is not None else None
+        return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan, pixels=pixels)

@@ -111,6 +111,4 @@ def check_data(model, datamodule, trainer, tokenizer) -> None:
     finally:
         model.tokenizer = previous
     if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
-        from yatt_lightning.datamodules.prompt import PromptDataset
-
-        datamodule.dataset = PromptDataset(rows)  # checked: `setup` uses these rows instead of reading them again
+        datamodule.dataset = datamodule.make_dataset(rows)  # checked: `setup` uses these rows instead of reading them again

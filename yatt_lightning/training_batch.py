@@ -3,6 +3,7 @@ packed into right-padded micro-batches for Megatron's schedule."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,13 +46,16 @@ class TrainingBatch:
         pad_id: int,
         pad_to_multiple: int = 8,
         plan: list[list[int]] | None = None,
+        pixels: Callable[[list[dict]], torch.Tensor | None] | None = None,
     ) -> list[dict]:
         """Right-padded micro-batches of the samples ``indices`` (in that order), ``micro_batch_size``
         each, or following ``plan`` (lists of sample indices) when given.
 
         Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
         completion token), ``sample_index [b]``, ``rollout_logprobs`` (the engine's) and, where known,
-        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages [b]``.
+        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages [b]``; with ``pixels(rows)``
+        (a vision-language policy's) also ``pixel_values`` of the samples' images, in sample order, and
+        ``prompt_lengths [b]``.
         """
         rollouts = self.rollouts
         per_sample = {
@@ -78,6 +82,10 @@ class TrainingBatch:
             mb = {"input_ids": ids, "loss_mask": mask, "sample_index": torch.tensor(chunk), **per_token}
             if self.advantages is not None:
                 mb["advantages"] = self.advantages.values[chunk].float()
+            images = pixels([rollouts.rows[i] for i in chunk]) if pixels is not None else None
+            if images is not None:  # placeholders count in the prompt only (a completion may sample the token)
+                mb["pixel_values"] = images
+                mb["prompt_lengths"] = torch.tensor([len(rollouts.prompt_ids[i]) for i in chunk])
             out.append(mb)
         return out
 

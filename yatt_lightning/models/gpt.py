@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+SUPPORTED_VISION_LANGUAGE_TYPES = ("llava",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,14 @@ class HFArch:
 
     @classmethod
     def from_hf_config(cls, cfg) -> HFArch:
+        """The language model's facts; for a vision-language model (LLaVA), those of its ``text_config``."""
+        if hasattr(cfg, "vision_config"):
+            if cfg.model_type not in SUPPORTED_VISION_LANGUAGE_TYPES:
+                raise ValueError(
+                    f"`model.policy.path`: vision-language model type {cfg.model_type!r} is not supported; "
+                    f"supported: {', '.join(SUPPORTED_VISION_LANGUAGE_TYPES)} (a CLIP tower in front of a dense decoder)."
+                )
+            cfg = cfg.text_config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"`model.policy.path`: model type {cfg.model_type!r} is not supported; "

@@ -43,7 +43,11 @@ def sample_logprobs(model, microbatches: list[dict], n_samples: int, temperature
 
     def collect(mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], temperature)
-        return torch.zeros(()), mb["loss_mask"].sum().to(torch.int), {"logprobs": TrainingBatch.unpack_per_token(mb, lp)}
+        return (
+            torch.zeros(()),
+            mb["loss_mask"].sum().to(torch.int),
+            {"logprobs": TrainingBatch.unpack_per_token(mb, lp)},
+        )
 
     outputs = model.forward_backward(microbatches, collect, forward_only=True)
     if not outputs:  # not the last pipeline stage: only the last stage computes the loss

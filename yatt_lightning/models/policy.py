@@ -47,7 +47,7 @@ class MegatronPolicy(torch.nn.Module):
         self.path = Path(path)
         hf_config = AutoConfig.from_pretrained(self.path)
         self.vision_language = vlm.is_vision_language(hf_config)  # LLaVA: vision tower + projector + this GPT
-        self.arch = HFArch.from_hf_config(hf_config.text_config if self.vision_language else hf_config)
+        self.arch = HFArch.from_hf_config(hf_config)
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.arch.check_parallel(tp, pp)
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), tp
@@ -100,7 +100,7 @@ class MegatronPolicy(torch.nn.Module):
             seq = ids.shape[1]
             position_ids = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
             causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=ids.device), diagonal=1)
-            images = {"pixel_values": mb["pixel_values"]} if "pixel_values" in mb else {}
+            images = {k: mb[k] for k in ("pixel_values", "prompt_lengths") if k in mb}
             output = model(ids, position_ids, causal, **images)
             return output, partial(loss_fn, mb)
 

@@ -69,8 +69,14 @@ def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
         ValueError: if ``path`` names an unknown built-in model, or is not a folder with ``config.json``.
     """
     if path.startswith(BUILTIN_PREFIX):
+        from yatt_lightning.models.tiny_llava import TINY_LLAVA, build_tiny_llava
+
+        if path == TINY_LLAVA:
+            return build_tiny_llava()
         if path not in BUILTIN_SHAPES:
-            raise ValueError(f"`{key}`: unknown built-in model {path!r}; built-in models: {', '.join(BUILTIN_SHAPES)}.")
+            raise ValueError(
+                f"`{key}`: unknown built-in model {path!r}; built-in models: {', '.join([*BUILTIN_SHAPES, TINY_LLAVA])}."
+            )
         return build_tiny_qwen2(shape=BUILTIN_SHAPES[path])
     folder = Path(path).expanduser()
     if not folder.is_dir():

@@ -91,12 +91,26 @@ class VisionLanguageModel(_megatron_module()):
         return self.multi_modal_projector(selected)
 
     def forward(
-        self, input_ids, position_ids, attention_mask, pixel_values: torch.Tensor | None = None
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        pixel_values: torch.Tensor | None = None,
+        prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self.pre_process or pixel_values is None:
+        """``prompt_lengths [b]``: image placeholders count only in each sample's prompt (a completion that
+        samples the image token has it as an ordinary token, as in the engine); ``None``: anywhere."""
+        if not self.pre_process:
+            return self.language_model(input_ids, position_ids, attention_mask)
+        if pixel_values is None:
+            if bool((input_ids == self.image_token_id).any()):
+                raise ValueError("a micro-batch holds image placeholder tokens but no pixel_values")
             return self.language_model(input_ids, position_ids, attention_mask)
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         placeholders = input_ids == self.image_token_id  # [b, s]; images in sample order, then position
+        if prompt_lengths is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            placeholders &= positions[None, :] < prompt_lengths.to(input_ids.device)[:, None]
         features = self.image_features(pixel_values).reshape(-1, embeddings.shape[-1]).to(embeddings.dtype)
         if int(placeholders.sum()) != features.shape[0]:
             raise ValueError(

@@ -6,6 +6,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+from yatt_lightning.datamodules.images import images_of
 from yatt_lightning.placement import stream
 from yatt_lightning.rewards.base import RewardOutput
 from yatt_lightning.rollout.base import Completion
@@ -45,7 +46,9 @@ def rollout_side(
     try:
         with service.engine_ready(request.weights_version) as engine:
             turns = itertools.cycle(judges)
-            groups = setup.long_tail.stream(engine, prompts, request.sampling, seeds, len(prompts))
+            groups = setup.long_tail.stream(
+                engine, prompts, request.sampling, seeds, len(prompts), images=images_of(rows)
+            )
             for index, finished in groups:
                 owner = owners[index]
                 if wanted[owner] == 0:

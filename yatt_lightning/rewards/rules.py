@@ -23,6 +23,16 @@ def alphabet_reward(prompt: str, completion: str, answer: str, **row) -> float:
     return 0.5 * letters / len(expected) + 0.5 * correct / len(expected)
 
 
+def colour_reward(prompt: str, completion: str, answer: str, **row) -> float:
+    """Reward for :class:`yatt_lightning.datamodules.tasks.ColourTask`: 1.0 when the first word is the
+    square's colour, else 0.0. A policy blind to the image scores at most 1 in 4 (one colour always).
+    No credit for naming a wrong colour: with it, the policy settles on one colour word for every image
+    (all samples of a group then score alike and GRPO stops learning) before it learns to look."""
+    words = completion.split()
+    first = words[0].strip(".,:;!?").lower() if words else ""
+    return 1.0 if first == answer else 0.0
+
+
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

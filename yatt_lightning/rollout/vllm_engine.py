@@ -89,6 +89,7 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self._batches = 0
         self.multimodal = False  # a vision-language model (known once started)
+        self.image_token_id: int | None = None
         self.llm = None
         self.asleep = False
 
@@ -106,8 +107,10 @@ class VLLMEngine:
         set_vllm_env()
         from transformers import AutoConfig
 
-        self.multimodal = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.multimodal = hasattr(hf_config, "vision_config")
         if self.multimodal:
+            self.image_token_id = hf_config.image_token_index
             from yatt_lightning import vision_shim
 
             vision_shim.install()
@@ -219,6 +222,8 @@ class VLLMEngine:
             request_id = f"yatt-{self._batches}-{i}"
             inputs = TokensPrompt(prompt_token_ids=prompt)
             if images is not None and images[i]:
+                # The model sees each image as a run of placeholder tokens; vLLM wants one and expands it.
+                inputs = TokensPrompt(prompt_token_ids=collapse_runs(prompt, self.image_token_id))
                 inputs["multi_modal_data"] = {"image": images[i]}
             engine.add_request(request_id, inputs, params)
             pending[request_id] = i
@@ -294,6 +299,11 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
+
+
+def collapse_runs(ids: list[int], token: int) -> list[int]:
+    """``ids`` with every run of ``token`` shortened to one (an image's expanded placeholders, as vLLM wants them)."""
+    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
 
 
 def _completions(out) -> list[Completion]:

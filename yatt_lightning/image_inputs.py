@@ -1,0 +1,52 @@
+"""How a vision-language policy sees a row's images: placeholder tokens in its ids, pixels in its micro-batches.
+
+A prompt's text holds one image token per image (``<image>``); the policy's sequences hold each expanded
+to the model's tokens per image (what transformers' processor writes, and what the loss positions count),
+and the engine gets them collapsed again (:func:`~yatt_lightning.rollout.vllm_engine.collapse_runs`).
+Pixels are made here from the rows' :class:`~yatt_lightning.datamodules.images.ImageRef`, on the rank
+that trains the rows, with the model's own image processor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from yatt_lightning.datamodules.images import load_image
+
+
+class ImageInputs:
+    """Args:
+    path: The vision-language model's Hugging Face folder (its config and image processor).
+    """
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(path)
+        vision = config.vision_config
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.token_id = config.image_token_index
+        full = config.vision_feature_select_strategy == "full"  # keeps the class token
+        self.tokens_per_image = (vision.image_size // vision.patch_size) ** 2 + int(full)
+
+    def expand(self, ids: list[int], row: dict) -> list[int]:
+        """``ids`` with each image token repeated ``tokens_per_image`` times; the count must match the row's images."""
+        marks = ids.count(self.token_id)
+        if "images" in row and marks != len(row["images"]):
+            raise ValueError(
+                f"prompt ({row['_source'] if '_source' in row else 'a row'}) tokenizes to {marks} image tokens for "
+                f"{len(row['images'])} images; write one <image> mark per image in the prompt."
+            )
+        out: list[int] = []
+        for token in ids:
+            out.extend([token] * self.tokens_per_image if token == self.token_id else [token])
+        return out
+
+    def pixels(self, rows: list[dict]) -> torch.Tensor | None:
+        """``[images, 3, H, W]`` for the images of ``rows`` in order (``None`` when they have none)."""
+        images = [load_image(ref) for row in rows if "images" in row for ref in row["images"]]
+        if not images:
+            return None
+        return self.processor(images=images, return_tensors="pt")["pixel_values"]
