@@ -5,11 +5,12 @@ completions and scores the sampled tokens with the Megatron policy. In fp32 on C
 must agree (< 1e-3). For contrast it loads the *initial* weights into the engine (what a missed push
 would leave) and repeats: that difference is large.
 
-    python bench/rollout_consistency.py [--smoke] [--trainer.max_steps 5] [--trainer.devices 2 ...]
+    python bench/rollout_consistency.py [--smoke] [--vlm] [--trainer.max_steps 5] [--trainer.devices 2 ...]
 
-``--smoke``: 2 training steps.
+``--smoke``: 2 training steps. ``--vlm``: the image case: configs/grpo_vlm_tiny.yaml (the tiny LLaVA,
+whose vision tower and projector train too), compared on held-out colour-task rows with their images.
 
-Last line: ``max_abs_logprob_diff=<float>``.
+Last line: ``max_abs_logprob_diff=<float>`` (``max_abs_logprob_diff_vlm=<float>`` with ``--vlm``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 from collections.abc import Iterable
 
 import torch
-from _common import all_reduce_max, build_cli, pop_smoke
+from _common import REPO, TINY, all_reduce_max, build_cli, pop_smoke
 from lightning.pytorch import Callback
+from yatt_lightning.datamodules.images import images_of
 
 from yatt_lightning.training_batch import TrainingBatch
 
@@ -41,7 +43,7 @@ def stale_engine_consistency(module, rows: list[dict], stale_weights: Iterable[t
     strategy = module.trainer.strategy
     strategy.engine.push_weights(stale_weights)
     prompt_ids = [module.tokenize_prompt(r) for r in rows]
-    groups = strategy.engine.generate(prompt_ids, module.sampling, module.sample_seeds(rows))
+    groups = strategy.engine.generate(prompt_ids, module.sampling, module.sample_seeds(rows), images=images_of(rows))
     strategy.rollout.mark_weights_stale()
     from yatt_lightning.batch import RolloutBatch
 
@@ -73,15 +75,28 @@ def _compare(ours: list[torch.Tensor] | None, engine: list[torch.Tensor]) -> dic
 
 
 class ConsistencyProbe(Callback):
-    def __init__(self) -> None:
+    def __init__(self, images: bool = False) -> None:
+        self.images = images
         self.result: list[float] | None = None
 
-    def on_train_end(self, trainer, module) -> None:
-        from safetensors.torch import load_file
+    def rows(self) -> list[dict]:
+        """Alphabet prompts, or (``images``) colour-task rows with their images, not seen in training."""
+        if self.images:
+            from yatt_lightning.datamodules.image_prompt import ImagePromptDataModule
+            from yatt_lightning.datamodules.tasks import ColourTask
+
+            held = ImagePromptDataModule(task=ColourTask(num_rows=6, seed=777), shuffle=False)
+            held.setup("fit")
+            return [held.dataset[i] for i in range(6)]
         from yatt_lightning.datamodules.tasks import AlphabetTask
 
         task = AlphabetTask()
-        rows = [dict(task.row(c), _id=i) for i, c in enumerate("afkpuz")]
+        return [dict(task.row(c), _id=i) for i, c in enumerate("afkpuz")]
+
+    def on_train_end(self, trainer, module) -> None:
+        from safetensors.torch import load_file
+
+        rows = self.rows()
         fresh = rollout_consistency(module, rows)
         initial = load_file(str(module.model_path / "model.safetensors"))
         stale = stale_engine_consistency(module, rows, initial.items())
@@ -94,8 +109,11 @@ class ConsistencyProbe(Callback):
 def main() -> None:
     argv = sys.argv[1:]
     steps = "2" if pop_smoke(argv) else "5"
-    cli = build_cli(["--trainer.max_steps", steps, *argv])
-    probe = ConsistencyProbe()
+    images = "--vlm" in argv
+    argv = [a for a in argv if a != "--vlm"]
+    config = str(REPO / "configs" / "grpo_vlm_tiny.yaml") if images else TINY
+    cli = build_cli(["--trainer.max_steps", steps, *argv], config=config)
+    probe = ConsistencyProbe(images)
     cli.trainer.callbacks.append(probe)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if cli.trainer.is_global_zero:
@@ -104,7 +122,7 @@ def main() -> None:
         print(f"{'engine weights':<28}{'max |dlogp|':>14}{'mean |dlogp|':>14}")
         print(f"{'pushed (current policy)':<28}{fresh_max:>14.3e}{fresh_mean:>14.3e}")
         print(f"{'stale (initial weights)':<28}{stale_max:>14.3e}{stale_mean:>14.3e}")
-        print(f"max_abs_logprob_diff={fresh_max:.3e}", flush=True)
+        print(f"max_abs_logprob_diff{'_vlm' if images else ''}={fresh_max:.3e}", flush=True)
 
 
 if __name__ == "__main__":
