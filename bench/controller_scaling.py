@@ -55,8 +55,9 @@ class PayloadTask(AlphabetTask):
         return [dict(r, image=rng.randbytes(self.payload_bytes)) for r in super().rows()]
 
 
-def _child(out: Path, overrides: list[str]) -> None:
-    """One training run (this process is rank 0; Lightning launches the others with the same arguments)."""
+def _child(out: Path, overrides: list[str], config: str | None = None) -> None:
+    """One training run of ``config`` (the tiny one by default; this process is rank 0, Lightning launches
+    the others with the same arguments)."""
     from yatt_lightning import wire
 
     wire.install()  # on every rank, before Megatron and vLLM are imported
@@ -84,7 +85,7 @@ def _child(out: Path, overrides: list[str]) -> None:
             out.write_text(json.dumps({"per_step": per_step, "steps": self.steps, "peak_rss_mib": rss}))
 
     torch.set_num_threads(1)
-    cli = build_cli(overrides)
+    cli = build_cli(overrides, **({"config": config} if config else {}))
     cli.trainer.callbacks.append(Meter())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 

@@ -6,8 +6,9 @@ callback gathers every DP rank's sequence lengths (one integer per sequence), sp
 DP parts with equal counts and even token sums (Karmarkar-Karp, refined, never worse than the greedy
 split; :mod:`yatt_lightning.partition`), and moves each sequence to its part's rank point to point.
 Every rank computes the same split from the same lengths, so there is no coordinator. Only what
-training needs travels (token ids, engine logprobs, advantages); each owner keeps its own rollouts for
-rewards and logging, so nothing has to come back. Optionally it also caps micro-batches by tokens,
+training needs travels (token ids, engine logprobs, advantages, and for image rows the images'
+references, never their pixels); each owner keeps its own rollouts for rewards and logging, so nothing has
+to come back. A sequence's length counts its image tokens (the prompt ids hold them expanded). Optionally it also caps micro-batches by tokens,
 packing each rank's sequences with the least padding (:mod:`yatt_lightning.packing`); then the split is
 kept only if it lowers the slowest rank's planned cost (padded tokens plus a fixed cost per micro-batch)
 below the unbalanced one's, so the exchange is skipped where it would not pay.
@@ -18,6 +19,7 @@ and ``balance/bytes_received`` are logged with the step's metrics. With one DP r
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +88,6 @@ class DPLoadBalancer(Callback):
         if batch.old_logprobs is not None or batch.ref_logprobs is not None:
             raise ValueError("DPLoadBalancer.rebalance runs before the update computes old or reference logprobs")
         rollouts = batch.rollouts
-        if any("images" in row for row in rollouts.rows):
-            raise ValueError(
-                "DPLoadBalancer does not move image rows between ranks yet; remove it from `trainer.callbacks` "
-                "for image prompts."
-            )
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
         mine = torch.tensor(rollouts.sequence_lengths(), dtype=torch.long)
@@ -143,6 +140,10 @@ class DPLoadBalancer(Callback):
             "logprobs": torch.cat([rollouts.rollout_logprobs[i].float() for i in local]) if local else torch.zeros(0),
             "scalars": torch.tensor([[offset + i, float(advantages[i]), float(rollouts.rewards[i])]
                                      for i in local], dtype=torch.float64).reshape(-1, 3),
+            # Image rows: their references (paths and hashes, ~200 bytes an image), never the pixels; the
+            # receiving rank reads the files it trains on.
+            "images": torch.frombuffer(bytearray(pickle.dumps(
+                [rollouts.rows[i]["images"] if "images" in rollouts.rows[i] else None for i in local])), dtype=torch.uint8),
         }  # fmt: skip
 
     @staticmethod
@@ -151,10 +152,14 @@ class DPLoadBalancer(Callback):
         samples = []
         for part in received:
             tokens, logprobs = part["tokens"].tolist(), part["logprobs"]
+            images = pickle.loads(part["images"].numpy().tobytes())
             at = lp_at = 0
-            for (p, c), (gid, adv, reward) in zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True):
+            for k, ((p, c), (gid, adv, reward)) in enumerate(
+                zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True)
+            ):
+                row = {} if images[k] is None else {"images": images[k]}
                 samples.append((int(gid), tokens[at : at + p], tokens[at + p : at + p + c], logprobs[lp_at : lp_at + c],
-                                adv, reward))  # fmt: skip
+                                adv, reward, row))  # fmt: skip
                 at, lp_at = at + p + c, lp_at + c
         samples.sort(key=lambda s: s[0])
         k = len(samples)
@@ -163,7 +168,7 @@ class DPLoadBalancer(Callback):
             prompt_ids=[s[1] for s in samples],
             completion_ids=[s[2] for s in samples],
             completions=[""] * k,
-            rows=[{} for _ in samples],
+            rows=[s[6] for s in samples],  # the images' references, for the training forward
             group_ids=torch.tensor([s[0] for s in samples], dtype=torch.long),
             rollout_logprobs=[s[3] for s in samples],
             finish_reasons=[""] * k,  # not needed by the update; the owner keeps the real ones for logging

@@ -125,6 +125,10 @@ class VLLMEngine:
         if kv_bytes is None and not on_gpu:  # vLLM's CPU backend has no memory profiler to size it
             kv_bytes = kv_cache_bytes_for(model_path, max_num_seqs, max_model_len, tensor_parallel_size)
         kwargs = {}
+        if not on_gpu:
+            # vLLM's CPU runner cannot rewind a seeded sampler when a prefill is split across engine steps
+            # ("CPU Generator does not use offset"); a step budget that holds every sequence never splits one.
+            kwargs["max_num_batched_tokens"] = max(8192, max_num_seqs * max_model_len)
         import vllm.envs
 
         vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
