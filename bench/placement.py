@@ -54,14 +54,14 @@ class LognormalLengths(WaitForAll):
     def __init__(self, median: float = 16, sigma: float = 1.0, cap: int = 160) -> None:
         self.median, self.sigma, self.cap = median, sigma, cap
 
-    def stream(self, engine, prompts, sampling, seeds, keep):
+    def stream(self, engine, prompts, sampling, seeds, keep, max_new_tokens=None, images=None):
         budgets = []
         for seed in seeds:
             u1 = (zlib.crc32(f"a{seed}".encode()) % 10**6 + 0.5) / 10**6
             u2 = (zlib.crc32(f"b{seed}".encode()) % 10**6 + 0.5) / 10**6
             z = math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
             budgets.append(int(min(self.cap, max(2, self.median * math.exp(self.sigma * z)))))
-        yield from super().stream(engine, prompts, sampling, seeds, keep, max_new_tokens=budgets)
+        yield from super().stream(engine, prompts, sampling, seeds, keep, max_new_tokens=budgets, images=images)
 
 
 def _child(out: Path, config: str) -> None:

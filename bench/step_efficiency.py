@@ -72,9 +72,9 @@ class StepEfficiency(Callback):
         llm_engine.step = self.generation.wrap(llm_engine.step)
         stream = engine.generate_stream
 
-        def recording_stream(prompts, sampling, seeds, max_new_tokens=None):
+        def recording_stream(prompts, sampling, seeds, max_new_tokens=None, images=None):
             self.requests.append((list(prompts), sampling, list(seeds)))
-            return stream(prompts, sampling, seeds, max_new_tokens)
+            return stream(prompts, sampling, seeds, max_new_tokens, images)
 
         engine.generate_stream = recording_stream
         module.policy.forward_backward = self.compute.wrap(module.policy.forward_backward)

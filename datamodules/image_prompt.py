@@ -16,13 +16,14 @@ first drawn, on the rank that owns it (in its data loader); the row then carries
 
 A bad image (missing, not an image, truncated, over ``max_image_bytes`` / ``max_image_pixels``) is an
 error naming the row, the image and the fix; with ``on_bad_image="skip"`` the row is replaced by the next
-good row of the dataset and counted (:attr:`ImagePromptDataModule.skipped`, logged as ``data/skipped_rows``),
-so every rank still draws as many rows.
+good row of the dataset and counted (:attr:`ImagePromptDataModule.skipped`, per rank; each skip is a
+warning in the log naming the row and why), so every rank still draws as many rows.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +42,7 @@ from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
 from yatt_lightning.datamodules.tasks import ColourTask
 
 IMAGE_MARK = "<image>"
+log = logging.getLogger(__name__)
 
 
 def _prompt_text(row: dict, where: str, n_images: int) -> str:
@@ -127,10 +129,11 @@ class ImagePromptDataset(Dataset):
                 continue
             try:
                 return self.resolve(i)
-            except ImageError:
+            except ImageError as err:
                 if self.on_bad_image == "raise":
                     raise
                 self.bad.add(i)
+                log.warning("skipped (%d rows so far): %s", len(self.bad), str(err).split("; ")[0])
         raise ValueError(f"`data.path`: every row of {self.path} has a bad image; nothing to train on.")
 
 

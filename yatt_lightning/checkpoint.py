@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 WEIGHTS = "weights"
 TRACKER = "latest"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+            "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
+            "processor_config.json", "preprocessor_config.json")  # fmt: skip  (the last two: a VLM's image processor)
 
 
 class CheckpointError(RuntimeError):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from yatt_lightning import checkpoint as ckpt
-from yatt_lightning.models import convert
+from yatt_lightning.models import convert, vlm
 from yatt_lightning.models.gpt import HFArch
 
 # Names in Megatron's checkpoints (Transformer-Engine style) -> names of the local layer spec.
@@ -54,11 +54,17 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"`--out`: {out_dir} is not empty; choose a new folder.")
-    arch = HFArch.from_hf_config(AutoConfig.from_pretrained(folder / "hf"))
+    hf_config = AutoConfig.from_pretrained(folder / "hf")
+    arch = HFArch.from_hf_config(hf_config)
+    vision_language = vlm.is_vision_language(hf_config)
     hf_tensors = {}
     for name, tensor in read_model_tensors(folder / ckpt.WEIGHTS).items():
         for local_name, full in _unstack(name, tensor):
-            for hf_name, t in convert.megatron_to_hf(local_name, full, arch):
+            if vision_language:  # LLaVA: the tower and projector keep their names, the LM gets language_model.
+                pairs = vlm.export_names(local_name, full, arch, layer_offset=0)
+            else:
+                pairs = convert.megatron_to_hf(local_name, full, arch)
+            for hf_name, t in pairs:
                 t = t.to(getattr(torch, dtype)) if dtype else t
                 hf_tensors[hf_name] = t.contiguous().clone()  # own storage: layers were views of a stack
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,14 +100,16 @@ def read_model_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _unstack(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``decoder.layers.X`` tensors are stacked over layers; yield ``decoder.layers.<i>.X`` per layer."""
-    if not name.startswith("decoder.layers."):
+    """``decoder.layers.X`` tensors (``language_model.decoder.layers.X`` in a LLaVA) are stacked over layers;
+    yield ``decoder.layers.<i>.X`` per layer."""
+    prefix = "language_model." if name.startswith("language_model.decoder.layers.") else ""
+    if not name.startswith(prefix + "decoder.layers."):
         yield name, tensor
         return
-    suffix = name.removeprefix("decoder.layers.")
+    suffix = name.removeprefix(prefix + "decoder.layers.")
     suffix = _CHECKPOINT_TO_LOCAL.get(suffix, suffix)
     for i in range(tensor.shape[0]):
-        yield f"decoder.layers.{i}.{suffix}", tensor[i]
+        yield f"{prefix}decoder.layers.{i}.{suffix}", tensor[i]
 
 
 def main(argv: list[str] | None = None) -> None:
