@@ -19,7 +19,10 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 INLINE_PREFIX = "data:image/"
 
@@ -132,7 +135,7 @@ def read_bytes(ref: ImageRef) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def load_image(ref: ImageRef, limits: ImageLimits = ImageLimits()):  # noqa: ANN201 (a PIL.Image.Image)
+def load_image(ref: ImageRef, limits: ImageLimits = ImageLimits()) -> PILImage:
     """The decoded RGB image (cached per process: the rollout and the training forward of a step share it)."""
     from PIL import Image
 
