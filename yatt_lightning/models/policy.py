@@ -66,7 +66,9 @@ class MegatronPolicy(torch.nn.Module):
             reader = vlm.text_reader(get) if self.vision_language else get
             load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
             if self.vision_language:
-                gpt = vlm.VisionLanguageModel(hf_config, gpt, pre_process=self.is_first_stage)
+                from yatt_lightning.models.vlm_model import VisionLanguageModel
+
+                gpt = VisionLanguageModel(hf_config, gpt, pre_process=self.is_first_stage)
                 vlm.load_vision_weights(gpt, get)
             if torch.cuda.is_available():
                 gpt.cuda(torch.cuda.current_device())
