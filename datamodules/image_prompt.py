@@ -35,7 +35,6 @@ from yatt_lightning.datamodules.images import (
     ImageLimits,
     ImageRef,
     image_values,
-    load_image,
     reference,
 )
 from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
@@ -102,17 +101,18 @@ class ImagePromptDataset(Dataset):
         return len(self.rows)
 
     def resolve(self, index: int) -> dict:
-        """Row ``index`` with ``images``: a checked :class:`ImageRef` per image (decoded once, here)."""
+        """Row ``index`` with ``images``: a checked :class:`ImageRef` per image (read and decoded once, here)."""
         row = dict(self.rows[index])
+        values = row.pop("_images")
+        if None in values:  # inline data: read the row's line again, once
+            with self.path.open("rb") as f:
+                f.seek(row["_offset"])
+                inline = image_values(json.loads(f.readline()))
+            values = [inline[k] if value is None else value for k, value in enumerate(values)]
         refs = []
-        for k, value in enumerate(row.pop("_images")):
-            if value is None:  # inline: read the data again from its line
-                with self.path.open("rb") as f:
-                    f.seek(row["_offset"])
-                    value = image_values(json.loads(f.readline()))[k]
+        for k, value in enumerate(values):
             ref = reference(value, base=self.path, where=row["_source"], limits=self.limits, line=row["_line"],
                             offset=row["_offset"], index=k)  # fmt: skip
-            load_image(ref, self.limits)
             refs.append(ref)
         row["images"] = refs
         return row

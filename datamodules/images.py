@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import io
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -33,10 +33,11 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What an image may weigh: bytes on disk and decoded pixels (width x height)."""
+    """What an image may weigh: bytes on disk and decoded pixels (width x height); the defaults are
+    :class:`~yatt_lightning.datamodules.image_prompt.ImagePromptDataModule`'s."""
 
-    max_bytes: int = 20 * 2**20
-    max_pixels: int = 4096 * 4096
+    max_bytes: int
+    max_pixels: int
 
 
 class ImageRef(NamedTuple):
@@ -91,8 +92,9 @@ def _decode_inline(value: str, where: str) -> bytes:
 def reference(
     value: str, *, base: Path, where: str, limits: ImageLimits, line: int, offset: int, index: int
 ) -> ImageRef:
-    """A reference to the image ``value`` names (a path relative to ``base``, or inline data); reads the
-    bytes once to hash them and check their size, without decoding them."""
+    """A checked reference to the image ``value`` names (a path relative to ``base``, or inline data): the
+    bytes are read once, hashed, held to ``limits`` and decoded; the decoded image is kept for its first
+    use (:func:`load_image`)."""
     if not isinstance(value, str) or not value:
         raise _fail(where, f"image {index} is {value!r}, not a path or inline data", "give a path or data:image/...")
     if value.startswith(INLINE_PREFIX):
@@ -112,7 +114,9 @@ def reference(
             where, f"image {value[:60]!r} is {len(data)} bytes, over `data.max_image_bytes`={limits.max_bytes}",
             "shrink the image or raise the limit",
         )  # fmt: skip
-    return ImageRef(path, hashlib.sha256(data).hexdigest(), where, **kw)
+    ref = ImageRef(path, hashlib.sha256(data).hexdigest(), where, **kw)
+    _remember(ref, _decode(data, ref, limits.max_pixels))
+    return ref
 
 
 def read_bytes(ref: ImageRef) -> bytes:
@@ -134,20 +138,46 @@ def read_bytes(ref: ImageRef) -> bytes:
     return data
 
 
-@functools.lru_cache(maxsize=256)
-def load_image(ref: ImageRef, limits: ImageLimits = ImageLimits()) -> PILImage:
-    """The decoded RGB image (cached per process: the rollout and the training forward of a step share it)."""
+# Decoded images of this process, newest last: the rollout and the training forward of a step share them.
+_DECODED: OrderedDict[ImageRef, PILImage] = OrderedDict()
+_DECODED_MAX = 256
+
+
+def _remember(ref: ImageRef, image: PILImage) -> None:
+    _DECODED[ref] = image
+    _DECODED.move_to_end(ref)
+    while len(_DECODED) > _DECODED_MAX:
+        _DECODED.popitem(last=False)
+
+
+def clear_decoded() -> None:
+    """Forget the decoded images (the next use reads and checks the bytes again)."""
+    _DECODED.clear()
+
+
+def load_image(ref: ImageRef) -> PILImage:
+    """The decoded RGB image of a reference :func:`reference` checked (kept per process, or read again,
+    hash-checked, from where the reference points)."""
+    if ref in _DECODED:
+        _DECODED.move_to_end(ref)
+        return _DECODED[ref]
+    image = _decode(read_bytes(ref), ref, max_pixels=None)  # held to the limits when it was checked
+    _remember(ref, image)
+    return image
+
+
+def _decode(data: bytes, ref: ImageRef, max_pixels: int | None) -> PILImage:
+    """``data`` decoded to RGB; over ``max_pixels``, not an image, or truncated: an error naming the row."""
     from PIL import Image
 
-    data = read_bytes(ref)
     Image.MAX_IMAGE_PIXELS = None  # our own limit below names the key; PIL's bomb check would not
     try:
         image = Image.open(io.BytesIO(data))
         width, height = image.size
-        if width * height > limits.max_pixels:
+        if max_pixels is not None and width * height > max_pixels:
             raise _fail(
                 ref.where, f"{ref.describe()} is {width}x{height} = {width * height} pixels, over "
-                f"`data.max_image_pixels`={limits.max_pixels}", "resize the image or raise the limit",
+                f"`data.max_image_pixels`={max_pixels}", "resize the image or raise the limit",
             )  # fmt: skip
         image.load()
     except ImageError:

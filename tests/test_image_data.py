@@ -8,7 +8,7 @@ import pickle
 import pytest
 from PIL import Image
 from yatt_lightning.datamodules.image_prompt import IMAGE_MARK, ImagePromptDataModule, read_image_jsonl
-from yatt_lightning.datamodules.images import ImageError, ImageLimits, ImageRef, load_image
+from yatt_lightning.datamodules.images import ImageError, ImageRef, clear_decoded, load_image
 
 
 def _png(colour=(255, 0, 0), size=(8, 8)) -> bytes:
@@ -104,9 +104,9 @@ def test_a_file_changed_after_it_was_checked_is_refused(tmp_path):
     (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
     row = _dataset(_write(tmp_path, [{"prompt": "x", "images": ["ok.png"]}]))[0]
     (tmp_path / "ok.png").write_bytes(_png((9, 9, 9)))
-    load_image.cache_clear()
+    clear_decoded()
     with pytest.raises(ImageError, match="changed since the dataset was read"):
-        load_image(row["images"][0], ImageLimits())
+        load_image(row["images"][0])
 
 
 @pytest.mark.parametrize(
