@@ -151,3 +151,13 @@ def test_the_vision_shim_refuses_versions_it_was_not_checked_with(monkeypatch):
     monkeypatch.setitem(vision_shim.PINNED, "transformers", "0.0.1")
     with pytest.raises(RuntimeError, match=r"checked with transformers==0.0.1, found 5\."):
         vision_shim.install()
+
+
+def test_collapsing_expanded_image_tokens_restores_one_per_image_also_for_adjacent_images():
+    from yatt_lightning.image_inputs import collapse
+
+    img, per = 9, 4
+    assert collapse([1, *[img] * per, 2, 3], img, per) == [1, img, 2, 3]
+    assert collapse([*[img] * (2 * per), 5], img, per) == [img, img, 5]  # two images side by side
+    with pytest.raises(ValueError, match="run of 3 image tokens is not a whole number of 4-token images"):
+        collapse([img, img, img], img, per)

@@ -2,7 +2,7 @@
 
 A prompt's text holds one image token per image (``<image>``); the policy's sequences hold each expanded
 to the model's tokens per image (what transformers' processor writes, and what the loss positions count),
-and the engine gets them collapsed again (:func:`~yatt_lightning.rollout.vllm_engine.collapse_runs`).
+and the engine gets them collapsed again (:func:`collapse`).
 Pixels are made here from the rows' :class:`~yatt_lightning.datamodules.images.ImageRef`, on the rank
 that trains the rows, with the model's own image processor.
 """
@@ -16,6 +16,32 @@ import torch
 from yatt_lightning.datamodules.images import load_image
 
 
+def tokens_per_image(config) -> int:
+    """How many tokens one image takes in a LLaVA's sequence (its ``config.json``): one per patch, plus the
+    class token when ``vision_feature_select_strategy`` is ``full``."""
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 + int(config.vision_feature_select_strategy == "full")
+
+
+def collapse(ids: list[int], token: int, per_image: int) -> list[int]:
+    """``ids`` with each image's ``per_image`` placeholders back to one (as the rollout engine wants them);
+    the inverse of :meth:`ImageInputs.expand`, also for images that follow each other."""
+    out: list[int] = []
+    run = 0
+    for t in [*ids, None]:
+        if t == token:
+            run += 1
+            continue
+        if run:
+            if run % per_image:
+                raise ValueError(f"a run of {run} image tokens is not a whole number of {per_image}-token images")
+            out.extend([token] * (run // per_image))
+            run = 0
+        if t is not None:
+            out.append(t)
+    return out
+
+
 class ImageInputs:
     """Args:
     path: The vision-language model's Hugging Face folder (its config and image processor).
@@ -25,11 +51,9 @@ class ImageInputs:
         from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(path)
-        vision = config.vision_config
         self.processor = AutoImageProcessor.from_pretrained(path)
         self.token_id = config.image_token_index
-        full = config.vision_feature_select_strategy == "full"  # keeps the class token
-        self.tokens_per_image = (vision.image_size // vision.patch_size) ** 2 + int(full)
+        self.tokens_per_image = tokens_per_image(config)
 
     def expand(self, ids: list[int], row: dict) -> list[int]:
         """``ids`` with each image token repeated ``tokens_per_image`` times; the count must match the row's images."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from yatt_lightning.image_inputs import collapse
 from yatt_lightning.rollout.base import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class VLLMEngine:
         self._batches = 0
         self.multimodal = False  # a vision-language model (known once started)
         self.image_token_id: int | None = None
+        self.image_tokens = 0  # tokens per image in the model's sequences
         self.llm = None
         self.asleep = False
 
@@ -110,8 +112,11 @@ class VLLMEngine:
         hf_config = AutoConfig.from_pretrained(model_path)
         self.multimodal = hasattr(hf_config, "vision_config")
         if self.multimodal:
-            self.image_token_id = hf_config.image_token_index
             from yatt_lightning import vision_shim
+            from yatt_lightning.image_inputs import tokens_per_image
+
+            self.image_token_id = hf_config.image_token_index
+            self.image_tokens = tokens_per_image(hf_config)
 
             vision_shim.install()
             vision_shim.subprocess_env()
@@ -197,9 +202,9 @@ class VLLMEngine:
     ) -> Iterator[tuple[int, list[Completion]]]:
         """Yield ``(prompt index, its n completions)`` as each prompt's samples all finish.
 
-        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt. ``images``: per prompt, the
-        decoded images its ids hold one image token for each (the engine expands each to the model's image
-        tokens). Closing the iterator early aborts the requests still running (over-provisioning keeps the
+        ``max_new_tokens`` overrides ``sampling.max_new_tokens`` per prompt. ``images``: per prompt, its
+        decoded images; its ids hold each image as the model's run of image tokens, or as one image token
+        (vLLM gets one and expands it). Closing the iterator early aborts the requests still running (over-provisioning keeps the
         first groups that finish).
         """
         from vllm import SamplingParams
@@ -227,7 +232,9 @@ class VLLMEngine:
             inputs = TokensPrompt(prompt_token_ids=prompt)
             if images is not None and images[i]:
                 # The model sees each image as a run of placeholder tokens; vLLM wants one and expands it.
-                inputs = TokensPrompt(prompt_token_ids=collapse_runs(prompt, self.image_token_id))
+                if prompt.count(self.image_token_id) != len(images[i]):  # not already one per image
+                    prompt = collapse(prompt, self.image_token_id, self.image_tokens)
+                inputs = TokensPrompt(prompt_token_ids=prompt)
                 inputs["multi_modal_data"] = {"image": images[i]}
             engine.add_request(request_id, inputs, params)
             pending[request_id] = i
@@ -303,11 +310,6 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
-
-
-def collapse_runs(ids: list[int], token: int) -> list[int]:
-    """``ids`` with every run of ``token`` shortened to one (an image's expanded placeholders, as vLLM wants them)."""
-    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
 
 
 def _completions(out) -> list[Completion]:
