@@ -90,6 +90,21 @@ def _child(out: Path, overrides: list[str], config: str | None = None) -> None:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
 
+def measure(script: Path, tmp: Path, mode: str, dp: int, overrides: list[str]) -> dict:
+    """Run ``script --child`` (one training run on ``dp`` ranks) and print its row of the table; returns what
+    its rank 0 measured."""
+    out = tmp / f"{mode}-{dp}.json"
+    cmd = [sys.executable, str(script.resolve()), "--child", str(out), *overrides]
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not out.exists():
+        sys.exit(f"{mode} with {dp} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    r = json.loads(out.read_text())
+    cells = " ".join(f"{_total(r, c):>12,.0f}" for c in CATEGORIES[:2])
+    print(f"{mode:<9} {dp:>2} {_total(r):>12,.0f} {cells} {_total(r, 'control'):>10,.0f}  "
+          f"{r['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
+    return r
+
+
 def _total(r: dict, category: str | None = None) -> float:
     cats = CATEGORIES if category is None else (category,)
     return sum(r["per_step"][c]["sent"] + r["per_step"][c]["received"] for c in cats)
@@ -117,20 +132,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode, flags in MODES.items():
             for dp in sizes:
-                out = Path(tmp) / f"{mode}-{dp}.json"
                 overrides = [
                     "--trainer.max_steps", str(args.steps + WARMUP), "--trainer.devices", str(dp), *flags,
                     "--data.task", "__main__.PayloadTask", "--data.task.num_rows", str(num_rows),
                     "--data.task.payload_mb", str(args.payload_mb), "--data.batch_size", str(BATCH),
                 ]  # fmt: skip
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), *overrides]
-                proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0 or not out.exists():
-                    sys.exit(f"{mode} with {dp} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-                r = results[(mode, dp)] = json.loads(out.read_text())
-                cells = " ".join(f"{_total(r, c):>12,.0f}" for c in CATEGORIES[:2])
-                print(f"{mode:<9} {dp:>2} {_total(r):>12,.0f} {cells} {_total(r, 'control'):>10,.0f}  "
-                      f"{r['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
+                results[(mode, dp)] = measure(Path(__file__), Path(tmp), mode, dp, overrides)
     top = max(sizes)
     par, single = results[("parallel", top)], results[("single", top)]
     for mode in MODES:

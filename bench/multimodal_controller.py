@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from controller_scaling import CATEGORIES, WARMUP, _child, _total
+from controller_scaling import WARMUP, _child, measure
 
 BATCH = 4  # prompts per data-parallel rank per step
 VLM = str(Path(__file__).resolve().parents[1] / "configs" / "grpo_vlm_tiny.yaml")
@@ -79,20 +78,12 @@ def main() -> None:
         print(f"{'controller':<9} {'dp':>2} {'total':>12} {'rollout':>12} {'gradients':>12} {'control':>10}  peak RSS")
         for mode, flags in modes.items():
             for dp in sizes:
-                out = Path(tmp) / f"{mode}-{dp}.json"
                 overrides = [
                     "--trainer.max_steps", str(args.steps + WARMUP), "--trainer.devices", str(dp),
                     *flags, "--data.path", str(rows), "--data.task", "null", "--data.batch_size", str(BATCH),
                     "--data.max_image_pixels", str(side * side),
                 ]  # fmt: skip
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), *overrides]
-                proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0 or not out.exists():
-                    sys.exit(f"{mode} with {dp} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-                r = results[(mode, dp)] = json.loads(out.read_text())
-                cells = " ".join(f"{_total(r, c):>12,.0f}" for c in CATEGORIES[:2])
-                print(f"{mode:<9} {dp:>2} {_total(r):>12,.0f} {cells} {_total(r, 'control'):>10,.0f}  "
-                      f"{r['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
+                results[(mode, dp)] = measure(Path(__file__), Path(tmp), mode, dp, overrides)
     growth = {m: results[(m, max(sizes))]["peak_rss_mib"] / results[(m, min(sizes))]["peak_rss_mib"] for m in modes}
     single = f"{growth['single']:.3f}" if "single" in growth else "nan"
     print(f"rank0_peak_mem_growth={growth['parallel']:.3f} single_controller_growth={single}", flush=True)
