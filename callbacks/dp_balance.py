@@ -130,26 +130,33 @@ class DPLoadBalancer(Callback):
 
     @staticmethod
     def _pack(batch: TrainingBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:
-        """The training fields of samples ``local`` as flat tensors (global ids = ``offset`` + local)."""
-        rollouts, advantages = batch.rollouts, batch.advantages.values
+        """The training fields of samples ``local`` as flat tensors (global ids = ``offset`` + local); per-token
+        advantages and a critic's returns and values travel flat, one value per completion token."""
+        rollouts, advantages = batch.rollouts, batch.advantages
         ids = [rollouts.prompt_ids[i] + rollouts.completion_ids[i] for i in local]
-        return {
+        per_sample = advantages.values if advantages.values is not None else torch.zeros(len(rollouts))
+        out = {
             "tokens": torch.tensor([t for seq in ids for t in seq], dtype=torch.long),
             "lengths": torch.tensor([[len(rollouts.prompt_ids[i]), len(rollouts.completion_ids[i])] for i in local],
                                     dtype=torch.long).reshape(-1, 2),
-            "logprobs": torch.cat([rollouts.rollout_logprobs[i].float() for i in local]) if local else torch.zeros(0),
-            "scalars": torch.tensor([[offset + i, float(advantages[i]), float(rollouts.rewards[i])]
+            "logprobs": _flat([rollouts.rollout_logprobs[i] for i in local]),
+            "scalars": torch.tensor([[offset + i, float(per_sample[i]), float(rollouts.rewards[i])]
                                      for i in local], dtype=torch.float64).reshape(-1, 3),
             # Image rows: their references (paths and hashes, ~200 bytes an image), never the pixels; the
             # receiving rank reads the files it trains on.
             "images": torch.frombuffer(bytearray(pickle.dumps(
                 [rollouts.rows[i]["images"] if "images" in rollouts.rows[i] else None for i in local])), dtype=torch.uint8),
         }  # fmt: skip
+        for key in _PER_TOKEN:
+            values = getattr(advantages, key)
+            if values is not None:
+                out[f"advantages.{key}"] = _flat([values[i] for i in local])
+        return out
 
     @staticmethod
     def _unpack(received: list[dict[str, torch.Tensor]]) -> TrainingBatch:
         """One batch of the samples received from every rank, in global id order."""
-        samples = []
+        samples, per_token = [], [key for key in _PER_TOKEN if f"advantages.{key}" in received[0]]
         for part in received:
             tokens, logprobs = part["tokens"].tolist(), part["logprobs"]
             images = pickle.loads(part["images"].numpy().tobytes())
@@ -158,8 +165,9 @@ class DPLoadBalancer(Callback):
                 zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True)
             ):
                 row = {} if images[k] is None else {"images": images[k]}
+                extra = {key: part[f"advantages.{key}"][lp_at : lp_at + c] for key in per_token}
                 samples.append((int(gid), tokens[at : at + p], tokens[at + p : at + p + c], logprobs[lp_at : lp_at + c],
-                                adv, reward, row))  # fmt: skip
+                                adv, reward, row, extra))  # fmt: skip
                 at, lp_at = at + p + c, lp_at + c
         samples.sort(key=lambda s: s[0])
         k = len(samples)
@@ -174,4 +182,15 @@ class DPLoadBalancer(Callback):
             finish_reasons=[""] * k,  # not needed by the update; the owner keeps the real ones for logging
             rewards=torch.tensor([s[5] for s in samples], dtype=torch.float),
         )
-        return TrainingBatch(rollouts, Advantages(torch.tensor([s[4] for s in samples], dtype=torch.float)))
+        fields = {key: [s[7][key] for s in samples] for key in per_token}
+        if "tokens" not in fields:
+            fields["values"] = torch.tensor([s[4] for s in samples], dtype=torch.float)
+        return TrainingBatch(rollouts, Advantages(**fields))
+
+
+# Per-token fields of the advantages that travel with a sample (when the estimator produced them).
+_PER_TOKEN = ("tokens", "returns", "old_values")
+
+
+def _flat(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.float() for v in values]) if values else torch.zeros(0)

@@ -74,3 +74,37 @@ def test_mini_batches_split_any_sample_count_evenly():
     assert sizes(2, 4) == [1, 1]  # fewer samples than mini-batches: one optimizer step per sample
     covered = [i for s in mini_batch_slices(10, 3) for i in range(10)[s]]
     assert covered == list(range(10))
+
+
+def test_per_token_advantages_and_critic_targets_reach_the_microbatch():
+    rollouts = _rollouts()
+    adv = Advantages(tokens=[torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])],
+                     returns=[torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4, 0.5])],
+                     old_values=[torch.zeros(2), torch.ones(3)])  # fmt: skip
+    (mb,) = TrainingBatch(rollouts, adv).microbatches([0, 1], micro_batch_size=2, pad_id=0, pad_to_multiple=1)
+    mask = mb["loss_mask"].bool()
+    assert mb["advantages"].shape == mb["loss_mask"].shape
+    assert mb["advantages"][mask].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    torch.testing.assert_close(mb["returns"][mask], torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]))
+    assert mb["old_values"][mask].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_the_balancer_moves_per_token_advantages_with_their_samples():
+    """What DPLoadBalancer sends (its flat tensors) rebuilds the same samples, per-token fields included."""
+    from yatt_lightning.callbacks.dp_balance import DPLoadBalancer
+
+    rollouts = _rollouts().scored(torch.tensor([1.0, 0.0]))
+    adv = Advantages(tokens=[torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])],
+                     returns=[torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4, 0.5])],
+                     old_values=[torch.zeros(2), torch.ones(3)])  # fmt: skip
+    batch = TrainingBatch(rollouts, adv)
+    sent = [DPLoadBalancer._pack(batch, [1], 0), DPLoadBalancer._pack(batch, [0], 0)]  # two "ranks", out of order
+    got = DPLoadBalancer._unpack(sent)
+    assert got.rollouts.completion_ids == rollouts.completion_ids
+    for field in ("tokens", "returns", "old_values"):
+        for a, b in zip(getattr(got.advantages, field), getattr(adv, field), strict=True):
+            torch.testing.assert_close(a, b)
+    scalar = DPLoadBalancer._unpack(
+        [DPLoadBalancer._pack(TrainingBatch(rollouts, Advantages(torch.tensor([0.5, -0.5]))), [0, 1], 0)]
+    )
+    assert scalar.advantages.values.tolist() == [0.5, -0.5] and scalar.advantages.tokens is None

@@ -16,6 +16,7 @@ from tests.helpers import REPO, run
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
 
 LAST_LINE = {
+    "algorithms.py": r"algorithms_learned=(?P<learned>\d+)/(?P<total>\d+)",
     "async_ckpt.py": r"stall_ratio=(?P<stall_ratio>-?[\d.]+)",  # negative when noise exceeds the cost
     "controller_scaling.py": r"rank0_data_bytes_ratio=(?P<data>\S+) rank0_total_bytes_ratio=(?P<total>\S+)",
     "dp_balance.py": r"imbalance_before=(?P<before>\S+) imbalance_after=(?P<after>\S+) train_phase_speedup=(?P<speedup>\S+)",
@@ -40,7 +41,9 @@ RUN_ELSEWHERE = {
 def check(name: str, figures: dict[str, float]) -> None:
     """What must hold even at the smoke size (the full size's targets are in bench/RESULTS.md)."""
     f = figures
-    if name == "async_ckpt.py":
+    if name == "algorithms.py":  # every algorithm's tiny config, 30 RL steps: each raises the task reward
+        assert f["total"] == 7 and f["learned"] == f["total"]
+    elif name == "async_ckpt.py":
         assert -5 < f["stall_ratio"] < 5  # at 4 MiB the figure is noise; the size that counts is in RESULTS.md
     elif name == "controller_scaling.py":
         assert f["data"] < 0.3 and 0 < f["total"] <= 1

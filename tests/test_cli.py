@@ -154,6 +154,62 @@ def test_user_model_prompts_and_reward_without_editing_the_package(tmp_path, tin
 
 
 @pytest.mark.slow
+def test_a_users_estimator_in_their_own_file_trains_from_yaml(tmp_path):
+    """A subclass of AdvantageEstimator in the user's own file (the working directory, no PYTHONPATH),
+    selected by its class_path in the user's YAML with its own argument, computes every step's advantages
+    and the policy trains on them. One with an estimator's name already taken is refused naming both."""
+    (tmp_path / "my_algos.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from yatt_lightning.algorithms import AdvantageEstimator, Advantages
+
+            class Centred(AdvantageEstimator):
+                group_baseline = True
+
+                def __init__(self, scale: float = 1.0) -> None:
+                    self.scale = scale
+
+                def __call__(self, inputs):
+                    r = inputs.rewards
+                    means = torch.stack([r[inputs.group_ids == g].mean() for g in inputs.group_ids])
+                    with open("calls.txt", "a") as f:
+                        f.write(f"{len(r)} {self.scale}\\n")
+                    return Advantages(self.scale * (r - means))
+            """
+        )
+    )
+    (tmp_path / "my_clash.py").write_text(
+        "from yatt_lightning.algorithms import AdvantageEstimator\n\n"
+        "class RLOOAdvantage(AdvantageEstimator):  # the library has one\n"
+        "    def __call__(self, inputs):\n        raise AssertionError('never selected')\n"
+    )
+    (tmp_path / "mine.yaml").write_text(
+        textwrap.dedent(
+            """
+            model:
+              init_args:
+                advantage_estimator:
+                  class_path: my_algos.Centred
+                  init_args:
+                    scale: 2.0
+            """
+        )
+    )
+    common = ["fit", "--config", TINY, "--trainer.max_steps", "3", "--trainer.callbacks", "[]",
+              "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path / "runs")]  # fmt: skip
+    yatt([*common, "--config", "mine.yaml"], cwd=tmp_path, timeout=600)
+    assert (tmp_path / "calls.txt").read_text().splitlines() == ["128 2.0"] * 3  # 16 prompts x 8 samples, 3 steps
+    scalars = read_scalars(tmp_path / "runs")
+    assert len(scalars["actor/grad_norm"]) == 3 and all(v > 0 for _, v in scalars["actor/grad_norm"])
+
+    proc = yatt([*common, "--model.advantage_estimator", "my_clash.RLOOAdvantage"], cwd=tmp_path, timeout=600, check=False)
+    assert proc.returncode != 0
+    assert ("two advantage estimator classes are named 'RLOOAdvantage': yatt_lightning.algorithms.advantage.RLOOAdvantage "
+            "and my_clash.RLOOAdvantage") in proc.stderr  # fmt: skip
+
+
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_error(tmp_path):
     (tmp_path / "nan_module.py").write_text(
         textwrap.dedent(

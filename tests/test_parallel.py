@@ -71,6 +71,12 @@ def _train_fixed(out: Path, *overrides: str):
         "16",
         "--data.batch_size",
         "8",
+        # PPO with its critic: GAE's whitening spans every DP rank, the value head is replicated over TP,
+        # and the values reach every PP stage; a mistake in any of them changes the policy's weights.
+        "--model.advantage_estimator",
+        "yatt_lightning.algorithms.GAE",
+        "--model.critic",
+        '{"value_clip": 0.2, "optimizer": {"lr": 0.002, "clip_grad": 1.0}}',
     ]
     run([sys.executable, str(SCRIPTS / "train_fixed.py"), str(out), *common, *overrides], cwd=out.parent, timeout=500)
     from safetensors.torch import load_file
@@ -79,7 +85,8 @@ def _train_fixed(out: Path, *overrides: str):
 
 
 def test_tp_pp_dp_match_a_single_process(tmp_path):
-    """Same seed and data (fixed rollouts): TP=2, PP=2 and DP=2 reach TP=1's losses and weights.
+    """Same seed and data (fixed rollouts): TP=2, PP=2 and DP=2 reach TP=1's losses and weights, PPO's
+    critic included (its value loss and mean value, and through GAE the policy's weights).
 
     6 optimizer steps (3 RL steps x 2 epochs) with gradient clipping; Adam amplifies float-reduction
     differences, hence the 1e-4 weight tolerance (the weights themselves are ~0.02-1)."""
@@ -90,7 +97,7 @@ def test_tp_pp_dp_match_a_single_process(tmp_path):
         assert w.keys() == base_w.keys()
         worst = max((w[k] - base_w[k]).abs().max().item() for k in w)
         assert worst < 1e-4, f"{name}: weights differ from TP=1 by {worst}"
-        for tag in ("actor/pg_loss", "reward/mean", "actor/grad_norm"):
+        for tag in ("actor/pg_loss", "reward/mean", "actor/grad_norm", "critic/value_loss", "critic/value_mean"):
             ours, ref = [v for _, v in s[tag]], [v for _, v in base_s[tag]]
             assert len(ours) == len(ref) == 3
             assert torch.allclose(torch.tensor(ours), torch.tensor(ref), atol=1e-5), (name, tag, ours, ref)

@@ -92,3 +92,33 @@ def test_export_names_a_wrong_dtype():
 
     with pytest.raises(ValueError, match="`--dtype` must be one of float32, bfloat16, float16, got 'int8'"):
         export("nowhere", "out", dtype="int8")
+
+
+def test_per_token_rewards_are_weighted_and_checked():
+    """A TokenRewardFunction's per-token rewards, times its weight, reach the Scores and the rollout batch;
+    one value too few names the function and the sample."""
+    import torch
+
+    from yatt_lightning.batch import RolloutBatch
+    from yatt_lightning.rewards.base import TokenRewardFunction
+    from yatt_lightning.rollout.service import combine
+
+    class PerToken(TokenRewardFunction):
+        def score_tokens(self, prompts, completions, completion_ids, rows):
+            return [[float(t) for t in ids] for ids in completion_ids]
+
+    class Short(TokenRewardFunction):
+        def score_tokens(self, prompts, completions, completion_ids, rows):
+            return [ids[:-1] for ids in completion_ids]
+
+    batch = RolloutBatch(prompts=["p", "q"], prompt_ids=[[1], [2]], completion_ids=[[3, 4], [5]], completions=["a", "b"],
+                         rows=[{"answer": "b"}, {"answer": "c"}], group_ids=torch.tensor([0, 0]), rollout_logprobs=[torch.zeros(2), torch.zeros(1)],
+                         finish_reasons=["stop", "stop"])  # fmt: skip
+    scores = combine([PerToken(weight=0.5), RuleReward("yatt_lightning.rewards.rules.alphabet_reward")], batch)
+    assert [t.tolist() for t in scores.token_rewards] == [[1.5, 2.0], [2.5]]
+    scored = batch.scored(scores.total, scores.token_rewards)
+    assert [t.tolist() for t in scored.select_groups([0]).token_rewards] == [[1.5, 2.0], [2.5]]
+    with pytest.raises(
+        RewardError, match=r"reward function Short returned 1 per-token rewards .* for 2 completion tokens"
+    ):
+        combine([Short()], batch)

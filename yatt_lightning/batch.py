@@ -31,15 +31,19 @@ class RolloutBatch:
     finish_reasons: list[str]
     rewards: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    token_rewards: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
 
-    def scored(self, rewards: torch.Tensor) -> RolloutBatch:
-        """This batch with one reward per sample."""
+    def scored(self, rewards: torch.Tensor, token_rewards: list[torch.Tensor] | None = None) -> RolloutBatch:
+        """This batch with one reward per sample and, when given, per-token rewards (one tensor per sample
+        over its completion tokens)."""
         if rewards.shape != (len(self),):
             raise ValueError(f"a rollout batch of {len(self)} samples got rewards of shape {tuple(rewards.shape)}")
-        return dataclasses.replace(self, rewards=rewards)
+        if token_rewards is not None and [len(t) for t in token_rewards] != [len(c) for c in self.completion_ids]:
+            raise ValueError("per-token rewards must hold one value per completion token of each sample")
+        return dataclasses.replace(self, rewards=rewards, token_rewards=token_rewards)
 
     @property
     def num_groups(self) -> int:
@@ -67,6 +71,7 @@ class RolloutBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             finish_reasons=pick(self.finish_reasons),
             rewards=pick_tensor(self.rewards),
+            token_rewards=pick(self.token_rewards),
         )
 
     @staticmethod
@@ -98,6 +103,7 @@ class RolloutBatch:
             return [v for b in batches for v in getattr(b, key)]
 
         rewards = [b.rewards for b in batches]
+        tokens = [b.token_rewards for b in batches]
         return RolloutBatch(
             prompts=cat("prompts"),
             prompt_ids=cat("prompt_ids"),
@@ -108,6 +114,9 @@ class RolloutBatch:
             rollout_logprobs=cat("rollout_logprobs"),
             finish_reasons=cat("finish_reasons"),
             rewards=torch.cat(rewards) if rewards and all(r is not None for r in rewards) else None,
+            token_rewards=[t for part in tokens for t in part]
+            if tokens and all(t is not None for t in tokens)
+            else None,
         )
 
     def response_lengths(self) -> torch.Tensor:

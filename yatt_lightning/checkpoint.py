@@ -113,10 +113,10 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
                 shutil.copy2(model_path / name, tmp / "hf" / name)
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
-    policy = strategy.lightning_module.policy
+    module = strategy.lightning_module
     with megatron_cpu_context():
         request = dist_checkpointing.save(
-            _sharded_state(policy, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
+            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
         )
     rank = strategy.global_rank
     if asynchronous:
@@ -326,16 +326,20 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
     from megatron.core import dist_checkpointing
 
     folder = Path(checkpoint["_yatt_checkpoint_dir"])
-    policy = strategy.lightning_module.policy
+    module = strategy.lightning_module
+    critic = module.critic_model
     with megatron_cpu_context():
-        state = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(folder / WEIGHTS))
-        model_state = {k.removeprefix("model."): v for k, v in state["model"].items()}
-        # Megatron adds `_extra_state` entries (Transformer Engine metadata) that local layers do not have.
-        result = policy.local_module().load_state_dict(model_state, strict=False)
-        if result.missing_keys:
-            raise CheckpointError(f"{folder}: the checkpoint lacks parameters {result.missing_keys[:5]}")
-        if policy.optimizer is not None and "optimizer" in state:
-            policy.optimizer.load_state_dict(state["optimizer"])
+        state = dist_checkpointing.load(_sharded_state(module.policy, critic, is_loading=True), str(folder / WEIGHTS))
+        for model, prefix in ((module.policy, "model"), (critic, "critic")):
+            if model is None:
+                continue
+            model_state = {k.removeprefix(f"{prefix}."): v for k, v in state[prefix].items()}
+            # Megatron adds `_extra_state` entries (Transformer Engine metadata) that local layers do not have.
+            result = model.local_module().load_state_dict(model_state, strict=False)
+            if result.missing_keys:
+                raise CheckpointError(f"{folder}: the checkpoint lacks {prefix} parameters {result.missing_keys[:5]}")
+            if model.optimizer is not None and _optimizer_key(prefix) in state:
+                model.optimizer.load_state_dict(state[_optimizer_key(prefix)])
 
 
 def remove(folder: Path) -> None:
@@ -343,12 +347,21 @@ def remove(folder: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _sharded_state(policy, *, is_loading: bool) -> dict:
-    model_sd = policy.local_module().sharded_state_dict(prefix="model.")
-    state = {"model": model_sd}
-    if policy.optimizer is not None:
-        state["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+def _sharded_state(policy, critic=None, *, is_loading: bool) -> dict:
+    """The policy's (and PPO's critic's) parameters and optimizer states, as Megatron's sharded state."""
+    state = {}
+    for model, prefix in ((policy, "model"), (critic, "critic")):
+        if model is None:
+            continue
+        model_sd = model.local_module().sharded_state_dict(prefix=f"{prefix}.")
+        state[prefix] = model_sd
+        if model.optimizer is not None:
+            state[_optimizer_key(prefix)] = model.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     return state
+
+
+def _optimizer_key(prefix: str) -> str:
+    return "optimizer" if prefix == "model" else f"{prefix}_optimizer"  # the policy's key is the original one
 
 
 def _torch_bytes(obj) -> bytes:

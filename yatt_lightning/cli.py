@@ -201,6 +201,8 @@ def main(args: list[str] | None = None) -> None:
             export_main(argv[1:])  # its failures are about its arguments or the checkpoint: exit code 2
             return
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.insert(0, "")  # a `class_path` in the user's own file in the working directory, as `python -m`
         _check_config_files(argv)
         YattCLI(args=argv)
     except SystemExit:

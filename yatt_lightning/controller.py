@@ -68,8 +68,9 @@ class Controller:
         prompts only the first groups to finish (the others ``None``)."""
         raise NotImplementedError
 
-    def score(self, batch: RolloutBatch, score_fn: ScoreFn) -> Scores:
-        """This rank's rewards; ``score_fn(batch)`` computes a batch's :class:`Scores`."""
+    def score(self, batch: RolloutBatch, score_fn: ScoreFn, token_rewards: bool = False) -> Scores:
+        """This rank's rewards; ``score_fn(batch)`` computes a batch's :class:`Scores`; ``token_rewards``:
+        a reward function gives per-token rewards, which reach every rank with the totals."""
         raise NotImplementedError
 
     def engine_batch_scale(self) -> int:
@@ -96,7 +97,7 @@ class ParallelController(Controller):
                 groups[index] = group
         return groups
 
-    def score(self, batch, score_fn) -> Scores:
+    def score(self, batch, score_fn, token_rewards: bool = False) -> Scores:
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
@@ -109,6 +110,10 @@ class ParallelController(Controller):
                 scores = score_fn(batch)
         with wire.category("rollout"):
             torch.distributed.broadcast(scores.total, src=head, group=group)
+            if token_rewards:
+                tokens = [scores.token_rewards]
+                torch.distributed.broadcast_object_list(tokens, src=head, group=group)
+                scores = Scores(scores.total, scores.metrics, tokens[0])
         return scores
 
 
@@ -188,7 +193,12 @@ class SingleController(Controller):
         with wire.category("rollout"):
             return scatter_objects(parts)
 
-    def score(self, batch, score_fn) -> Scores:
+    def score(self, batch, score_fn, token_rewards: bool = False) -> Scores:
+        if token_rewards:
+            raise ValueError(
+                "`model.rewards`: per-token rewards (a TokenRewardFunction) are not sent by the SingleController "
+                "yet; use `trainer.strategy.controller: ParallelController`."
+            )
         # The driver scores everything from what it has held since generate(): nothing travels to it here.
         parts, mine = None, None
         with fail_together():  # the other ranks wait in the scatter below: tell them first

@@ -1,9 +1,11 @@
 """RLHFModule: one RL step as four overridable calls -- rollout, reward, advantage, update.
 
 Subclass and override any of them (or the smaller hooks they call: ``tokenize_prompt``,
-``sample_seeds``, ``loss``). Orchestration (the engine, weight sync, placement) lives in the strategy;
-this module reads like the algorithm. With the defaults it is GRPO: n samples per prompt,
-group-normalised advantages, PPO-clip with token-level aggregation, optional k3 KL to a frozen reference.
+``sample_seeds``, ``advantage_inputs``, ``loss``). Orchestration (the engine, weight sync, placement)
+lives in the strategy; this module reads like the algorithm. With the defaults it is GRPO: n samples per
+prompt, group-normalised advantages, PPO-clip with token-level aggregation, optional k3 KL to a frozen
+reference. The algorithm library (:mod:`yatt_lightning.algorithms`) swaps each part by ``class_path``:
+RLOO, REINFORCE++, GAE with a critic (PPO), DAPO's clip-higher and overlong shaping, GSPO, Dr. GRPO.
 """
 
 from __future__ import annotations
@@ -18,25 +20,36 @@ from typing_extensions import override
 
 from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
-from yatt_lightning.algorithms.advantage import Advantages
+from yatt_lightning.algorithms.advantage import AdvantageInputs, Advantages
+from yatt_lightning.algorithms.aggregation import LossAggregation, TokenMean
+from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
+from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
+from yatt_lightning.critic import Critic, sample_values
 from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.image_inputs import ImageInputs
 from yatt_lightning.longtail import LongTailPolicy, WaitForAll
-from yatt_lightning.models.logprobs import max_abs_difference, sample_logprobs, token_entropy, token_logprobs
+from yatt_lightning.models.logprobs import (
+    max_abs_difference,
+    sample_logprobs,
+    share_with_pipeline,
+    token_entropy,
+    token_logprobs,
+)  # fmt: skip
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.optim import OptimizerSettings
 from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
 from yatt_lightning.rollout.base import SamplingConfig
-from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSetup
+from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSetup, Scores
 from yatt_lightning.sampling import DynamicSampling
 from yatt_lightning.seeding import resolve_seed, sampling_seed
 from yatt_lightning.step_metrics import reduce_token_metrics, step_stats
 from yatt_lightning.training_batch import TrainingBatch
 
-# Per-token quantities summed in the loss function and averaged over tokens for logging.
+# Per-token quantities summed in the loss function and averaged over tokens for logging (the algorithm's
+# parts may add their own, named with a "/": see ``RLHFModule.token_metrics``).
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
@@ -50,10 +63,19 @@ class RLHFModule(pl.LightningModule):
         rewards: Reward functions whose weighted scores are summed (rule functions, reward models,
             generative reward models); ``None`` uses ``reward_fn`` alone.
         sampling: How completions are sampled (``n`` is the GRPO group size).
-        algorithm: The policy loss (``class_path`` selects it; default PPO-clip).
-        advantage_estimator: Turns rewards into advantages (default GRPO group normalisation).
+        algorithm: The policy loss (``class_path`` selects it; default PPO-clip; GSPO).
+        advantage_estimator: Turns rewards into advantages (default GRPO group normalisation; RLOO,
+            REINFORCE++, GAE with ``critic``).
+        critic: PPO's value model, trained with the policy (needed by GAE; ``None`` builds none).
+        loss_aggregation: How per-token losses are averaged: over tokens (default), per sequence, or
+            with Dr. GRPO's constant.
+        off_policy_correction: Reweights each token by the training policy's ratio to the engine's
+            sampling probability (truncated importance sampling); ``None``: none.
         kl_coef: Weight of the KL penalty to the frozen initial policy; 0 builds no reference model.
-        kl_estimator: Per-token KL estimator (default k3).
+        kl_estimator: Per-token KL estimator (k1, k2, default k3).
+        kl_in_reward: Subtract ``kl_coef x KL`` from each token's reward (before the advantage) instead of
+            adding it to the loss.
+        reward_shaping: Added to every sample's reward (DAPO's overlong penalty); ``None``: none.
         optimizer: Optimizer settings.
         ppo_epochs: Passes over each rollout batch.
         mini_batches: Optimizer steps per pass (the rollout batch is split into this many parts of sizes
@@ -77,8 +99,13 @@ class RLHFModule(pl.LightningModule):
         sampling: SamplingConfig = SamplingConfig(),
         algorithm: PolicyLoss = lazy_instance(PPOClipLoss),
         advantage_estimator: AdvantageEstimator = lazy_instance(GRPOAdvantage),
+        critic: Critic | None = None,
+        loss_aggregation: LossAggregation = lazy_instance(TokenMean),
+        off_policy_correction: OffPolicyCorrection | None = None,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = lazy_instance(K3),
+        kl_in_reward: bool = False,
+        reward_shaping: RewardShaping | None = None,
         optimizer: OptimizerSettings = OptimizerSettings(),
         ppo_epochs: int = 1,
         mini_batches: int = 1,
@@ -108,6 +135,18 @@ class RLHFModule(pl.LightningModule):
                 f"{type(advantage_estimator).__name__}: a group of one sample has advantage 0, so nothing would "
                 "be learned; set `model.sampling.n` >= 2 (GRPO uses 4-16)."
             )
+        if advantage_estimator.needs_critic and critic is None:
+            raise ValueError(
+                f"`model.advantage_estimator` {type(advantage_estimator).__name__} uses a critic's values, but "
+                "`model.critic` is not set; set `model.critic: {}` (PPO) or choose an estimator without one."
+            )
+        if critic is not None and not advantage_estimator.needs_critic:
+            raise ValueError(
+                f"`model.critic` is set, but `model.advantage_estimator` {type(advantage_estimator).__name__} does "
+                "not use its values (it would be trained for nothing); use GAE or remove `model.critic`."
+            )
+        if kl_in_reward and kl_coef == 0:
+            raise ValueError("`model.kl_in_reward` is true but `model.kl_coef` is 0: set a coefficient > 0.")
         self.automatic_optimization = False
         self.policy_spec = policy
         self.reward_functions = list(rewards) if rewards else [RuleReward(reward_fn)]
@@ -119,8 +158,15 @@ class RLHFModule(pl.LightningModule):
         self.sampling = sampling
         self.algorithm = algorithm
         self.advantage_estimator = advantage_estimator
+        self.critic = critic
+        self.loss_aggregation = loss_aggregation
+        self.off_policy_correction = off_policy_correction
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
+        self.kl_in_reward = kl_in_reward
+        self.reward_shaping = reward_shaping
+        correction = off_policy_correction.metric_names if off_policy_correction is not None else ()
+        self.token_metrics = _TOKEN_METRICS + algorithm.extra_metrics + correction
         self.optimizer_settings = optimizer
         self.ppo_epochs = ppo_epochs
         self.mini_batches = mini_batches
@@ -131,6 +177,7 @@ class RLHFModule(pl.LightningModule):
         self.seed = resolve_seed(seed)
         self.policy = None
         self.reference = None
+        self.critic_model = None
         self.tokenizer = None
         self.last_rollouts: RolloutBatch | None = None
         self.images: ImageInputs | None = None  # a vision-language policy's image tokens and pixels
@@ -157,6 +204,8 @@ class RLHFModule(pl.LightningModule):
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
         if self.kl_coef > 0:
             self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
+        if self.critic is not None:
+            self.critic_model = self.critic.build(path, dtype, self.seed)
         self.images = ImageInputs(path) if self.policy.vision_language else None
         self.trainer.strategy.rollout.configure(self._rollout_setup())
 
@@ -196,7 +245,9 @@ class RLHFModule(pl.LightningModule):
         engine = EngineSpec(
             self.model_path, self.seed, seqs, self.max_prompt_tokens + self.sampling.max_new_tokens, dtype
         )
-        return RolloutSetup(self.policy, self.tokenizer, engine, self.reward_functions, self.long_tail, self.seed)
+        return RolloutSetup(
+            self.policy, self.tokenizer, engine, self.reward_functions, self.long_tail, self.seed, self.critic_model
+        )
 
     # ------------------------------------------------------------------ the RL step
     @override
@@ -208,7 +259,9 @@ class RLHFModule(pl.LightningModule):
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
             if len(rollouts):  # partial rollout: no group may have finished on some rank this step
-                rollouts = rollouts.scored(self.reward(rollouts))
+                scores = self.reward(rollouts)
+                scores = scores if isinstance(scores, Scores) else Scores(torch.as_tensor(scores), {})
+                rollouts = rollouts.scored(scores.total, scores.token_rewards)
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
             if isinstance(err, RankFailure) and err.agreed:
                 raise  # already collective: every rank raises it at the same point
@@ -226,7 +279,9 @@ class RLHFModule(pl.LightningModule):
             figures.update(sampled.metrics)
         stats = None
         if train_on is not None:
-            advantages = Advantages.of(self.advantage(train_on, train_on.rewards), len(train_on))
+            inputs, kl_figures = self.advantage_inputs(train_on)
+            figures.update(kl_figures)
+            advantages = Advantages.of(self.advantage(train_on, inputs), len(train_on))
             stats = self.update(train_on, advantages)
         t3 = time.perf_counter()
         sync = strategy.rollout.sync_seconds
@@ -247,17 +302,52 @@ class RLHFModule(pl.LightningModule):
         )  # fmt: skip
         return self.trainer.strategy.rollout.rollout(request)
 
-    def reward(self, rollouts: RolloutBatch) -> torch.Tensor:
-        """One scalar reward per sample: the weighted sum of the reward functions, computed where the
-        rollouts live (see the controller and placement)."""
+    def reward(self, rollouts: RolloutBatch) -> Scores:
+        """The rewards of the samples: the weighted sum of the reward functions (and their per-token
+        rewards), computed where the rollouts live (see the controller and placement), plus the reward
+        shaping. An override may return a plain ``[N]`` tensor."""
         scores = self.trainer.strategy.rollout.score(rollouts)
         for key, value in scores.metrics.items():
             self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
-        return scores.total
+        total = scores.total
+        if self.reward_shaping is not None:
+            shaped = self.reward_shaping(rollouts.response_lengths(), self.sampling.max_new_tokens)
+            key = "reward/shaping/sum"
+            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + float(shaped.sum())
+            total = total + shaped
+        return Scores(total, scores.metrics, scores.token_rewards)
 
-    def advantage(self, rollouts: RolloutBatch, rewards: torch.Tensor) -> Advantages:
-        """One advantage per sample (an override may return a plain ``[N]`` tensor)."""
-        return Advantages(self.advantage_estimator(rewards, rollouts.group_ids))
+    def advantage_inputs(self, rollouts: RolloutBatch) -> tuple[AdvantageInputs, dict[str, float]]:
+        """What the estimator uses: the rewards, the per-token rewards (with ``kl_in_reward`` the KL
+        penalty, from the engine's logprobs of the sampled tokens against the reference's), and the
+        critic's values; and the KL's figures. Collective (the reference's and the critic's forwards)."""
+        self.trainer.strategy.rollout.prepare_training()
+        batch, everything, figures = TrainingBatch(rollouts), list(range(len(rollouts))), {}
+        tokens = rollouts.token_rewards
+        if self.kl_in_reward:
+            ref = share_with_pipeline(self.compute_logprobs(self.reference, batch, everything))
+            kl = [self.kl_estimator(lp, r) for lp, r in zip(rollouts.rollout_logprobs, ref, strict=True)]
+            penalty = [-self.kl_coef * k for k in kl]
+            tokens = penalty if tokens is None else [t + p for t, p in zip(tokens, penalty, strict=True)]
+            flat = torch.cat(kl) if kl else torch.zeros(0)
+            sums = self.trainer.strategy.controller.all_reduce(
+                torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64)
+            )
+            figures["actor/kl"] = sums[0].item() / max(sums[1].item(), 1.0)
+        values = None
+        if self.critic_model is not None:
+            values = share_with_pipeline(
+                sample_values(self.critic_model, self.microbatches(batch, everything), len(batch))
+            )
+        inputs = AdvantageInputs(
+            rollouts.rewards, rollouts.group_ids, [len(c) for c in rollouts.completion_ids], tokens, values,
+            all_reduce=self.trainer.strategy.controller.all_reduce,
+        )  # fmt: skip
+        return inputs, figures
+
+    def advantage(self, rollouts: RolloutBatch, inputs: AdvantageInputs) -> Advantages:
+        """The advantages of the samples (an override may return a plain ``[N]`` tensor)."""
+        return self.advantage_estimator(inputs)
 
     def update(self, rollouts: RolloutBatch, advantages: Advantages) -> dict[str, float]:
         """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the scored rollouts.
@@ -276,11 +366,12 @@ class RLHFModule(pl.LightningModule):
             old = self.compute_logprobs(self.policy, batch, everything)
         # Otherwise the step is exactly on-policy: the training forward's own logprobs, detached, are the old
         # ones (``_loss_fn``), which saves a forward pass over every token.
-        if self.reference is not None:
+        if self.reference is not None and not self.kl_in_reward:
             ref = self.compute_logprobs(self.reference, batch, everything)
         batch = TrainingBatch(batch.rollouts, batch.advantages, old_logprobs=old, ref_logprobs=ref)
         sums: dict[str, float] = defaultdict(float)
-        grad_norms = []
+        critic_sums = torch.zeros(4, dtype=torch.float64)  # tokens, value loss, clipped, values
+        grad_norms, critic_norms = [], []
         first_forward, forward_diff = True, 0.0  # engine/policy agreement, from the first (pre-update) forward
         optimizer = self.optimizers()
         shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
@@ -292,23 +383,46 @@ class RLHFModule(pl.LightningModule):
                 with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
                     outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
-                    for key, value in zip(("tokens", *_TOKEN_METRICS), out["metrics"].tolist(), strict=True):
+                    for key, value in zip(("tokens", *self.token_metrics), out["metrics"].tolist(), strict=True):
                         sums[key] += value
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
                 first_forward = False
                 check_finite(outputs, self.trainer.global_step)
+                step = self.trainer.global_step
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
                 with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
                     optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
+                if self.critic_model is not None:
+                    critic_norms.append(self._critic_step(mbs, step, critic_sums))
         self.partial_update = False
-        stats = reduce_token_metrics(self.trainer.strategy.controller, sums, _TOKEN_METRICS)
+        controller = self.trainer.strategy.controller
+        stats = reduce_token_metrics(controller, sums, self.token_metrics)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if self.critic_model is not None:
+            totals = controller.all_reduce(critic_sums).tolist()
+            tokens = max(totals[0], 1.0)
+            stats.update({"critic/value_loss": totals[1] / tokens, "critic/clip_fraction": totals[2] / tokens,
+                          "critic/value_mean": totals[3] / tokens, "critic/grad_norm": sum(critic_norms) / len(critic_norms)})  # fmt: skip
         stats["logprob_diff_max"] = (
             max_abs_difference(old, batch.rollouts.rollout_logprobs) if old is not None else forward_diff
         )
         return {**stats, **figures}
+
+    def _critic_step(self, mbs: list[dict], step: int, sums: torch.Tensor) -> float:
+        """One optimizer step of the critic on the policy step's micro-batches (collective); adds its
+        figures to ``sums`` and returns its gradient norm."""
+        critic = self.critic_model
+        critic.zero_grad_buffers()
+        with wire.category("gradients"):
+            outputs = critic.forward_backward(mbs, self.critic.loss_fn, forward_only=False)
+        for out in outputs:
+            sums += out["metrics"].double()
+        check_finite(outputs, step)
+        with wire.category("gradients"):
+            _, norm = critic.optimizer_step(step)
+        return norm
 
     def commit_step_state(self) -> None:
         """The step's rollouts are consumed: rollouts waiting across steps (dynamic sampling's buffer,
@@ -351,10 +465,15 @@ class RLHFModule(pl.LightningModule):
 
     def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""
-        advantages = mb["advantages"][:, None].expand_as(logprobs)
+        advantages = mb["advantages"]
+        advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
         per_token, metrics = self.algorithm(logprobs, mb["old_logprobs"], advantages, mb["loss_mask"])
+        if self.off_policy_correction is not None:
+            weight, more = self.off_policy_correction(mb["old_logprobs"], mb["rollout_logprobs"])
+            per_token = per_token * weight
+            metrics.update(more)
         metrics = {"pg_loss": per_token.detach(), **metrics}
-        if self.reference is not None:
+        if self.reference is not None and not self.kl_in_reward:
             kl = self.kl_estimator(logprobs, mb["ref_logprobs"])
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = kl.detach()
@@ -370,15 +489,17 @@ class RLHFModule(pl.LightningModule):
         diff = ((logprobs.detach() - mb["rollout_logprobs"]).abs() * mask).max() if mask.any() else torch.zeros(())
         per_token, metrics = self.loss(logprobs, mb)
         metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
-        loss_sum = (per_token * mask).sum()
-        num_tokens = mask.sum().to(torch.int)
-        row = [mask.sum()] + [(metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in _TOKEN_METRICS]
+        weights, count = self.loss_aggregation.weights(mask, self.sampling.max_new_tokens)
+        loss_sum = (per_token * weights).sum()
+        row = [mask.sum()] + [
+            (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in self.token_metrics
+        ]
         finite = torch.isfinite(loss_sum)
         if not finite:  # keep the schedule going so every rank reaches the check after it
             loss_sum = torch.nan_to_num(loss_sum) * 0
         return (
             loss_sum,
-            num_tokens,
+            count,
             {
                 "metrics": torch.stack([v.detach().float() for v in row]),
                 "finite": finite,

@@ -45,6 +45,7 @@ def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None, f
     names = sorted(
         {f"reward/{fn.name}/sum" for fn in module.reward_functions}
         | {k for fn in module.reward_functions for k in fn.metric_names()}
+        | ({"reward/shaping/sum"} if module.reward_shaping is not None else set())
     )
     diff = stats["logprob_diff_max"] if stats else 0.0
     local = torch.tensor(

@@ -53,7 +53,8 @@ class TrainingBatch:
 
         Each holds ``input_ids [b, s]``, ``loss_mask [b, s-1]`` (1 where position t predicts a
         completion token), ``sample_index [b]``, ``rollout_logprobs`` (the engine's) and, where known,
-        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages [b]``; with ``pixels(rows)``
+        ``old_logprobs``, ``ref_logprobs`` ``[b, s-1]`` and ``advantages`` (``[b]``, or ``[b, s-1]`` when
+        they are per token), with a critic also ``returns`` and ``old_values`` ``[b, s-1]``; with ``pixels(rows)``
         (a vision-language policy's) also ``pixel_values`` of the samples' images, in sample order, and
         ``prompt_lengths [b]``.
         """
@@ -63,6 +64,11 @@ class TrainingBatch:
             "old_logprobs": self.old_logprobs,
             "ref_logprobs": self.ref_logprobs,
         }
+        advantages = self.advantages
+        if advantages is not None:
+            per_sample.update({"returns": advantages.returns, "old_values": advantages.old_values})
+            if advantages.tokens is not None:
+                per_sample["advantages"] = advantages.tokens
         per_sample = {k: v for k, v in per_sample.items() if v is not None}
         out = []
         chunks = plan or [indices[s : s + micro_batch_size] for s in range(0, len(indices), micro_batch_size)]
@@ -80,8 +86,8 @@ class TrainingBatch:
                 for key, values in per_sample.items():
                     per_token[key][row, span] = values[i]
             mb = {"input_ids": ids, "loss_mask": mask, "sample_index": torch.tensor(chunk), **per_token}
-            if self.advantages is not None:
-                mb["advantages"] = self.advantages.values[chunk].float()
+            if advantages is not None and advantages.values is not None:
+                mb["advantages"] = advantages.values[chunk].float()
             images = pixels([rollouts.rows[i] for i in chunk]) if pixels is not None else None
             if images is not None:  # placeholders count in the prompt only (a completion may sample the token)
                 mb["pixel_values"] = images

@@ -4,7 +4,7 @@
 
 Records, per RL step, the prompt ids each rank trained on and the logged reward/loss (OUT_DIR/
 record_rank<r>.jsonl, appended across resumed runs) and writes the final policy under Hugging Face
-names (OUT_DIR/final.safetensors). ``--kill PHASE:STEP`` SIGKILLs the whole process group at step STEP:
+names (OUT_DIR/final.safetensors; with PPO's critic also its parameters, as ``critic.<name>``). ``--kill PHASE:STEP`` SIGKILLs the whole process group at step STEP:
 in the middle of the rollout (``rollout``), after the first of two optimizer steps (``train``), while a
 checkpoint's background writers run (``save``), or after a checkpoint's manifest is written but before
 its folder is renamed (``finalize``). ``--kill sigterm:STEP`` sends SIGTERM to rank 0 only (preemption),
@@ -125,6 +125,8 @@ class Recorder(Callback):
             "reward": float(metrics["reward/mean"]),
             "pg_loss": float(metrics["actor/pg_loss"]),
         }
+        if "critic/value_loss" in metrics:  # PPO: the critic's loss, which its resumed state decides
+            row["value_loss"] = float(metrics["critic/value_loss"])
         with open(self.out / f"record_rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         savers = [cb for cb in trainer.callbacks if type(cb).__name__ == "AsyncCheckpoint"]
@@ -135,6 +137,10 @@ class Recorder(Callback):
         import torch
 
         weights = {n: t.clone() for n, t in module.policy.export_hf()}
+        if module.critic_model is not None:  # PPO's critic (one process: its parameters are whole)
+            weights.update(
+                {f"critic.{n}": p.detach().clone() for n, p in module.critic_model.local_module().named_parameters()}
+            )
         ids = torch.arange(2, 34).reshape(2, 16) * 7 % 290
         seen = []
 

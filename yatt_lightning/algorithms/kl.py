@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from yatt_lightning.algorithms.registry import Registered
 
-class KLEstimator:
+
+class KLEstimator(Registered):
     """Base class: ``__call__(logprobs, ref_logprobs) -> per-token KL estimate``."""
+
+    family = "KL estimator"
 
     def __call__(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -138,8 +138,9 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dt
     )
 
 
-def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool) -> torch.nn.Module:
-    """The Megatron GPT model (one pipeline stage of it) for ``arch``; parameters uninitialised."""
+def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool, tied: bool = True) -> torch.nn.Module:
+    """The Megatron GPT model (one pipeline stage of it) for ``arch``; parameters uninitialised. ``tied``:
+    share the embedding with the output layer when the checkpoint does (a critic has no output layer)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -151,7 +152,7 @@ def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool) ->
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and tied,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
     )

@@ -29,6 +29,8 @@ class MegatronPolicy(torch.nn.Module):
     params_dtype: Training dtype of the parameters (fp32 on CPU, bf16 on GPU).
     optimizer: Optimizer settings; ``None`` builds a frozen model (reference policy).
     seed: Seed of Megatron's RNG tracker.
+    value_head: Build a critic (:class:`~yatt_lightning.models.value_model.ValueModel`): the same trunk,
+        a scalar value per position instead of logits. It is never exported to an engine.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class MegatronPolicy(torch.nn.Module):
         params_dtype: torch.dtype = torch.float32,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
+        value_head: bool = False,
     ) -> None:
         super().__init__()
         from megatron.core import parallel_state as ps
@@ -47,6 +50,11 @@ class MegatronPolicy(torch.nn.Module):
         self.path = Path(path)
         hf_config = AutoConfig.from_pretrained(self.path)
         self.vision_language = vlm.is_vision_language(hf_config)  # LLaVA: vision tower + projector + this GPT
+        if value_head and self.vision_language:
+            raise ValueError(
+                f"`model.critic`: {self.path} is a vision-language model; a critic on one is not supported yet "
+                "(use an estimator without a critic, or a text model's folder as `model.critic.path`)."
+            )
         self.arch = HFArch.from_hf_config(hf_config)
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.arch.check_parallel(tp, pp)
@@ -60,11 +68,19 @@ class MegatronPolicy(torch.nn.Module):
             model_parallel_manual_seed(seed)
             from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-            gpt = build_gpt(self.arch, self.config, pre_process=self.is_first_stage, post_process=self.is_last_stage)
+            gpt = build_gpt(
+                self.arch, self.config, pre_process=self.is_first_stage,
+                post_process=self.is_last_stage and not value_head, tied=not value_head,
+            )  # fmt: skip
             self.layer_offset = get_transformer_layer_offset(self.config)
             get = _safetensors_reader(self.path)
             reader = vlm.text_reader(get) if self.vision_language else get
             load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
+            if value_head:
+                from yatt_lightning.models.value_model import ValueModel
+
+                gpt = ValueModel(gpt, self.arch.hidden_size, self.arch.rms_norm_eps, post_process=self.is_last_stage)
+                gpt.load_norm(get)
             if self.vision_language:
                 from yatt_lightning.models.vlm_model import VisionLanguageModel
 

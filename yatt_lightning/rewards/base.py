@@ -26,10 +26,12 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardOutput:
-    """Scores of a batch: one per sample, and metrics summed over ranks for logging."""
+    """Scores of a batch: one per sample, metrics summed over ranks for logging and, from a
+    :class:`TokenRewardFunction`, per-token rewards (one list per sample over its completion tokens)."""
 
     scores: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
+    token_rewards: list[list[float]] | None = None
 
 
 def describe_sample(prompt: str, completion: str, row: dict) -> str:
@@ -66,6 +68,10 @@ class RewardFunction:
 
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput | list[float]:
         raise NotImplementedError
+
+    def rollout_scores(self, batch) -> RewardOutput:
+        """The scores of a rollout batch (:class:`~yatt_lightning.batch.RolloutBatch`)."""
+        return self(batch.prompts, batch.completions, batch.rows)
 
     def metric_names(self) -> list[str]:
         """Every metric this function may report (the same on every rank, so ranks can sum them)."""
@@ -120,6 +126,41 @@ def _as_float(value) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+
+
+class TokenRewardFunction(RewardFunction):
+    """A reward given per completion token (a process reward, a per-token cost). Subclasses implement
+    :meth:`score_tokens`; the rewards reach the advantage estimator as per-token rewards (GAE and
+    REINFORCE++ credit each token; the group estimators add them to the sample's reward)."""
+
+    def score_tokens(
+        self, prompts: list[str], completions: list[str], completion_ids: list[list[int]], rows: list[dict]
+    ) -> list[list[float]]:
+        raise NotImplementedError
+
+    def score(self, prompts, completions, rows) -> RewardOutput:
+        raise TypeError(f"reward function {self.name} scores tokens: it needs the rollout batch (rollout_scores)")
+
+    def rollout_scores(self, batch) -> RewardOutput:
+        n = len(batch)
+        try:
+            tokens = self.score_tokens(batch.prompts, batch.completions, batch.completion_ids, batch.rows)
+        except RewardError:
+            raise
+        except Exception as err:
+            out = self.failed(err, n)
+            return RewardOutput(out.scores, out.metrics, [[0.0] * len(c) for c in batch.completion_ids])
+        if len(tokens) != n:
+            raise RewardError(
+                f"reward function {self.name} returned per-token rewards for {len(tokens)} of {n} samples"
+            )
+        for i, (values, ids) in enumerate(zip(tokens, batch.completion_ids, strict=True)):
+            if len(values) != len(ids) or not all(math.isfinite(_as_float(v)) for v in values):
+                raise RewardError(
+                    f"reward function {self.name} returned {len(values)} per-token rewards (or one not finite) for "
+                    f"{len(ids)} completion tokens of {describe_sample(batch.prompts[i], batch.completions[i], batch.rows[i])}"
+                )
+        return RewardOutput([0.0] * n, {}, [[float(v) for v in values] for values in tokens])
 
 
 class RuleReward(RewardFunction):

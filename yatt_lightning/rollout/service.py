@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.rewards.base import RewardFunction, RewardOutput
+from yatt_lightning.rewards.base import RewardFunction, RewardOutput, TokenRewardFunction
 from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class RolloutSetup:
     reward_functions: list[RewardFunction]
     long_tail: LongTailPolicy
     run_seed: int
+    critic: Any = None  # PPO's critic (a MegatronPolicy with a value head), offloaded with the policy
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,12 @@ class Generation:
 
 @dataclass(frozen=True)
 class Scores:
-    """A batch's rewards: the weighted sum per sample, and metrics to log."""
+    """A batch's rewards: the weighted sum per sample, metrics to log and, when a reward function gives
+    them, the weighted sum of per-token rewards (one tensor per sample over its completion tokens)."""
 
     total: torch.Tensor
     metrics: dict[str, float]
+    token_rewards: list[torch.Tensor] | None = None
 
 
 def combine(
@@ -87,14 +90,19 @@ def combine(
     """Every reward function's scores of ``batch`` (or what a placement already judged), weighted and summed."""
     total = torch.zeros(len(batch))
     metrics: dict[str, float] = {}
+    tokens = None
     for fn in functions:
-        out = (judged or {}).get(fn.name) or fn(batch.prompts, batch.completions, batch.rows)
+        out = (judged or {}).get(fn.name) or fn.rollout_scores(batch)
         scores = torch.tensor(out.scores, dtype=torch.float)
         total += fn.weight * scores
+        if out.token_rewards is not None:
+            tokens = tokens or [torch.zeros(len(c)) for c in batch.completion_ids]
+            for t, values in zip(tokens, out.token_rewards, strict=True):
+                t += fn.weight * torch.tensor(values, dtype=torch.float)
         metrics[f"reward/{fn.name}/sum"] = float(scores.sum())
         for key, value in out.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
-    return Scores(total, metrics)
+    return Scores(total, metrics, tokens)
 
 
 class RolloutService:
@@ -143,7 +151,10 @@ class RolloutService:
         placement = self.strategy.placement
         judged, self.judged = self.judged, {}
         with placement.scoring(functions):
-            scores = self.strategy.controller.score(batch, lambda part: combine(functions, part, judged))
+            per_token = any(isinstance(fn, TokenRewardFunction) for fn in functions)
+            scores = self.strategy.controller.score(
+                batch, lambda part: combine(functions, part, judged), token_rewards=per_token
+            )
             placement.record_memory("reward")
         return scores
 
@@ -162,7 +173,9 @@ class RolloutService:
         if self.engine_weights_version != weights_version:
             self.engine.push_weights(setup.policy.export_hf())
             self.engine_weights_version = weights_version
-        setup.policy.offload(params=self.strategy.offload_params)
+        for model in (setup.policy, setup.critic):
+            if model is not None:
+                model.offload(params=self.strategy.offload_params)
         self.sync_seconds = time.perf_counter() - t0
         try:
             yield self.engine
@@ -170,8 +183,12 @@ class RolloutService:
             self.engine.sleep()
 
     def prepare_training(self) -> None:
-        """Before the update: the training state back on the device (a no-op on CPU)."""
-        self._require_setup().policy.onload()
+        """Before the update (and the critic's values): the training state back on the device (a no-op on
+        CPU, and when it is back already)."""
+        setup = self._require_setup()
+        for model in (setup.policy, setup.critic):
+            if model is not None:
+                model.onload()
 
     def groups_to_batch(
         self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict[str, float] | None = None
