@@ -52,7 +52,7 @@ class HeldOut(Callback):
         means = []
         for part in (rows, shuffled):
             rollouts = module.rollout(part)
-            means.append(float(module.reward(rollouts).mean()))
+            means.append(float(module.reward(rollouts).total.mean()))
         t = torch.tensor(means, dtype=torch.float64)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(t)

@@ -34,7 +34,7 @@ LAST_LINE = {
 # Benches whose smoke size another test runs (with stronger assertions than a smoke test makes).
 RUN_ELSEWHERE = {
     "rollout_consistency.py": "tests/test_parallel.py::test_layout_trains_and_engine_matches_policy (TP=2, PP=2, DP=2)",
-    "vlm_learning.py": "tests/test_vlm_training.py::test_the_tiny_vlm_learns_to_look_on_two_processes",
+    "vlm_learning.py": "tests/test_vlm_training.py::test_the_tiny_vlm_learns_to_look_on_two_processes_and_exports",
 }
 
 
