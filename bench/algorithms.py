@@ -1,13 +1,14 @@
 """Does every algorithm of the library learn? The docs' algorithm table, printed by this script.
 
-Runs each algorithm's tiny config (``configs/<name>_tiny.yaml``: GRPO, PPO with its critic, RLOO,
-REINFORCE++, DAPO, GSPO, Dr. GRPO) on the built-in alphabet task through the real CLI, two runs at a time
-(one torch thread each, on a 2-core machine), and reads each run's per-step mean *task* reward (the
-alphabet reward's own mean, ``reward/<fn>/mean``: DAPO's overlong penalty is left out, so every row
-measures the same thing) from its TensorBoard event file. Every config runs its own number of steps (150
-RL steps; PPO and GSPO take two optimizer steps per RL step). Prints a Markdown table: the paper, the YAML
-that selects the algorithm, the mean task reward of the first and last ``--window`` RL steps, the gain,
-and the run's wall time (start-up included).
+Trains each algorithm's tiny config (``configs/<name>_tiny.yaml``: GRPO, PPO with its critic, RLOO,
+REINFORCE++, DAPO, GSPO, Dr. GRPO) on the built-in alphabet task with the real CLI's trainer, one after
+another in this process (one torch thread; imports and the first start-up are paid once, each config
+builds its own Trainer, model and engine), and reads each run's per-step mean *task* reward (the alphabet
+reward's own mean, ``reward/<fn>/mean``: DAPO's overlong penalty is left out, so every row measures the
+same thing) from its TensorBoard event file. Every config runs its own number of steps (150 RL steps;
+PPO and GSPO take two optimizer steps per RL step). Prints a Markdown table: the paper, the YAML that
+selects the algorithm, the mean task reward of the first and last ``--window`` RL steps, the gain, and
+the wall time of the run's ``fit``.
 
     python bench/algorithms.py [--smoke] [--only NAME ...] [--window 10]
 
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, build_cli
+
 TASK_REWARD = "reward/yatt_lightning.rewards.rules.alphabet_reward/mean"
 
 # name -> (paper, what the YAML selects)
@@ -62,18 +61,14 @@ def optimizer_steps_per_rl_step(config: Path) -> int:
     return int(init.get("mini_batches", 1)) * int(init.get("ppo_epochs", 1))
 
 
-def run(name: str, rl_steps: int | None, tmp: Path) -> tuple[str, list[float], float]:
+def run(name: str, rl_steps: int | None, root: Path) -> tuple[list[float], float]:
+    """Train ``configs/<name>_tiny.yaml`` (its own steps, or ``rl_steps``); its task rewards and fit time."""
     config = REPO / "configs" / f"{name}_tiny.yaml"
-    root = tmp / name
     extra = [] if rl_steps is None else ["--trainer.max_steps", str(rl_steps * optimizer_steps_per_rl_step(config))]
-    cmd = [sys.executable, "-m", "yatt_lightning.cli", "fit", "--config", str(config),
-           "--trainer.default_root_dir", str(root), "--trainer.callbacks", "[]", *extra]  # fmt: skip
+    cli = build_cli(["--trainer.default_root_dir", str(root), *extra], logger=True, config=str(config))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"{config.name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return name, task_rewards(root), wall
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return task_rewards(root), time.perf_counter() - t0
 
 
 def main() -> None:
@@ -82,7 +77,6 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="algorithms to run (default: all)")
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--margin", type=float, default=0.2)
-    p.add_argument("--parallel", type=int, default=2)
     args = p.parse_args()
     names = args.only or list(ALGORITHMS)
     rl_steps = None
@@ -91,8 +85,9 @@ def main() -> None:
     learned = 0
     print(f"| algorithm | paper | YAML selects | first {args.window} steps | last {args.window} steps | gain | wall |")
     print("|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
-        for name, rewards, wall in pool.map(lambda n: run(n, rl_steps, Path(tmp)), names):
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            rewards, wall = run(name, rl_steps, Path(tmp) / name)
             first, last = statistics.mean(rewards[: args.window]), statistics.mean(rewards[-args.window :])
             gain = last - first
             learned += gain > args.margin
