@@ -59,3 +59,18 @@ def test_two_ranks_fail_together_naming_the_origin_and_exchange_tensors():
     assert r0["second"] == r1["second"] == (1, "RuntimeError: judge crashed", True)
     assert r0["exchange"] == ([[0], []], [(1, 2), (0, 2)], 0)
     assert r1["exchange"] == ([[0, 1], [10, 11, 12]], [(2, 2), (3, 2)], 2 * 8 + 2 * 2 * 4)
+
+
+def test_a_non_finite_loss_names_which_loss():
+    """One process: a NaN in the critic's value loss is reported as the critic's, the policy's as the policy's."""
+    import pytest
+    import torch
+
+    from yatt_lightning.failures import NonFiniteLossError, check_finite
+
+    with pytest.raises(NonFiniteLossError, match=r"^the critic's value loss is NaN/inf at step 3 \(1 micro-batches\)"):
+        check_finite(
+            [{"finite": torch.tensor(False)}, {"finite": torch.tensor(True)}], 3, what="the critic's value loss"
+        )
+    with pytest.raises(NonFiniteLossError, match=r"^the policy loss is NaN/inf at step 0"):
+        check_finite([{"finite": torch.tensor(False)}], 0)

@@ -102,13 +102,14 @@ class NonFiniteLossError(FloatingPointError):
     """The policy loss became NaN or infinite."""
 
 
-def check_finite(outputs: list[dict], step: int) -> None:
-    """Collective: a NaN/inf loss in any micro-batch (``outputs[i]["finite"]``) on any rank stops every rank."""
+def check_finite(outputs: list[dict], step: int, what: str = "the policy loss") -> None:
+    """Collective: a NaN/inf loss in any micro-batch (``outputs[i]["finite"]``) on any rank stops every rank;
+    ``what``: the loss, as the message names it."""
     bad = sum(1 for o in outputs if not bool(o["finite"]))
     error = None
     if bad:
         error = NonFiniteLossError(
-            f"the policy loss is NaN/inf at step {step} ({bad} micro-batches). Check the rewards (finite?), "
+            f"{what} is NaN/inf at step {step} ({bad} micro-batches). Check the rewards (finite?), "
             "lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
         )
     agree(error)

@@ -419,7 +419,7 @@ class RLHFModule(pl.LightningModule):
             outputs = critic.forward_backward(mbs, self.critic.loss_fn, forward_only=False)
         for out in outputs:
             sums += out["metrics"].double()
-        check_finite(outputs, step)
+        check_finite(outputs, step, what="the critic's value loss")
         with wire.category("gradients"):
             _, norm = critic.optimizer_step(step)
         return norm
