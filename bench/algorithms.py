@@ -55,10 +55,17 @@ def task_rewards(log_dir: Path) -> list[float]:
 
 
 def optimizer_steps_per_rl_step(config: Path) -> int:
+    """``mini_batches x ppo_epochs`` of the config; a key it leaves out has RLHFModule's default."""
+    import inspect
+
     import yaml
 
-    init = yaml.safe_load(config.read_text())["model"]["init_args"]
-    return int(init.get("mini_batches", 1)) * int(init.get("ppo_epochs", 1))
+    from yatt_lightning.module import RLHFModule
+
+    keys = ("mini_batches", "ppo_epochs")
+    defaults = {k: inspect.signature(RLHFModule).parameters[k].default for k in keys}
+    init = {**defaults, **yaml.safe_load(config.read_text())["model"]["init_args"]}
+    return int(init["mini_batches"]) * int(init["ppo_epochs"])
 
 
 def run(name: str, rl_steps: int | None, root: Path) -> tuple[list[float], float]:

@@ -17,9 +17,14 @@ from pathlib import Path
 
 import torch
 
+from yatt_lightning import wire
+from yatt_lightning.failures import check_finite
 from yatt_lightning.models.logprobs import per_sample_forward
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.optim import OptimizerSettings
+
+# The critic's per-token figures of a step, averaged over its tokens for logging.
+CRITIC_METRICS = ("critic/value_loss", "critic/clip_fraction", "critic/value_mean")
 
 
 class Critic:
@@ -60,9 +65,23 @@ class Critic:
         clipped = (clipped_values - returns) ** 2
         return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
+    def step(self, model, microbatches: list[dict], step: int, sums: dict[str, float]) -> float:
+        """One optimizer step of the critic ``model`` on the policy step's micro-batches (collective): adds
+        the token sums of :data:`CRITIC_METRICS` (and ``tokens``) to ``sums``; returns the gradient norm."""
+        model.zero_grad_buffers()
+        with wire.category("gradients"):
+            outputs = model.forward_backward(microbatches, self.loss_fn, forward_only=False)
+        for out in outputs:
+            for key, value in zip(("tokens", *CRITIC_METRICS), out["metrics"].tolist(), strict=True):
+                sums[key] += value
+        check_finite(outputs, step, what="the critic's value loss")
+        with wire.category("gradients"):
+            _, norm = model.optimizer_step(step)
+        return norm
+
     def loss_fn(self, mb: dict, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Megatron's loss function for one micro-batch: (loss sum, tokens, metrics) with the metrics
-        ``[tokens, value loss sum, clipped sum, value sum]``."""
+        ``[tokens, then the token sums of CRITIC_METRICS]``."""
         values = values[:, :-1]
         mask = mb["loss_mask"]
         per_token, clipped = self.loss(values, mb["returns"], mb["old_values"])

@@ -26,7 +26,7 @@ from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
 from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
-from yatt_lightning.critic import Critic, sample_values
+from yatt_lightning.critic import CRITIC_METRICS, Critic, sample_values
 from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.image_inputs import ImageInputs
 from yatt_lightning.longtail import LongTailPolicy, WaitForAll
@@ -330,10 +330,8 @@ class RLHFModule(pl.LightningModule):
             penalty = [-self.kl_coef * k for k in kl]
             tokens = penalty if tokens is None else [t + p for t, p in zip(tokens, penalty, strict=True)]
             flat = torch.cat(kl) if kl else torch.zeros(0)
-            sums = self.trainer.strategy.controller.all_reduce(
-                torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64)
-            )
-            figures["actor/kl"] = sums[0].item() / max(sums[1].item(), 1.0)
+            sums = {"tokens": float(flat.numel()), "kl": float(flat.sum())}
+            figures["actor/kl"] = reduce_token_metrics(self.trainer.strategy.controller, sums, ("kl",))["kl"]
         values = None
         if self.critic_model is not None:
             values = share_with_pipeline(
@@ -370,7 +368,7 @@ class RLHFModule(pl.LightningModule):
             ref = self.compute_logprobs(self.reference, batch, everything)
         batch = TrainingBatch(batch.rollouts, batch.advantages, old_logprobs=old, ref_logprobs=ref)
         sums: dict[str, float] = defaultdict(float)
-        critic_sums = torch.zeros(4, dtype=torch.float64)  # tokens, value loss, clipped, values
+        critic_sums: dict[str, float] = defaultdict(float)
         grad_norms, critic_norms = [], []
         first_forward, forward_diff = True, 0.0  # engine/policy agreement, from the first (pre-update) forward
         optimizer = self.optimizers()
@@ -395,34 +393,18 @@ class RLHFModule(pl.LightningModule):
                     optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
                 if self.critic_model is not None:
-                    critic_norms.append(self._critic_step(mbs, step, critic_sums))
+                    critic_norms.append(self.critic.step(self.critic_model, mbs, step, critic_sums))
         self.partial_update = False
         controller = self.trainer.strategy.controller
         stats = reduce_token_metrics(controller, sums, self.token_metrics)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if self.critic_model is not None:
-            totals = controller.all_reduce(critic_sums).tolist()
-            tokens = max(totals[0], 1.0)
-            stats.update({"critic/value_loss": totals[1] / tokens, "critic/clip_fraction": totals[2] / tokens,
-                          "critic/value_mean": totals[3] / tokens, "critic/grad_norm": sum(critic_norms) / len(critic_norms)})  # fmt: skip
+            stats.update(reduce_token_metrics(controller, critic_sums, CRITIC_METRICS))
+            stats["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         stats["logprob_diff_max"] = (
             max_abs_difference(old, batch.rollouts.rollout_logprobs) if old is not None else forward_diff
         )
         return {**stats, **figures}
-
-    def _critic_step(self, mbs: list[dict], step: int, sums: torch.Tensor) -> float:
-        """One optimizer step of the critic on the policy step's micro-batches (collective); adds its
-        figures to ``sums`` and returns its gradient norm."""
-        critic = self.critic_model
-        critic.zero_grad_buffers()
-        with wire.category("gradients"):
-            outputs = critic.forward_backward(mbs, self.critic.loss_fn, forward_only=False)
-        for out in outputs:
-            sums += out["metrics"].double()
-        check_finite(outputs, step, what="the critic's value loss")
-        with wire.category("gradients"):
-            _, norm = critic.optimizer_step(step)
-        return norm
 
     def commit_step_state(self) -> None:
         """The step's rollouts are consumed: rollouts waiting across steps (dynamic sampling's buffer,
