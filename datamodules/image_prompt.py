@@ -8,7 +8,9 @@ Rows of a JSON-lines file, in either shape::
      "answer": "red"}
 
 Image paths are relative to the dataset file. ``<image>`` marks where each image goes in the prompt; a
-plain row without marks gets one per image in front of its text; a chat row's parts are joined in order.
+plain row without marks gets one per image in front of its text; a chat row keeps its messages (the
+model's chat template renders them, :mod:`yatt_lightning.chat`) and shows its last user message as
+``prompt``.
 Reading the file keeps only where each image is (inline data is dropped after the line is parsed, and
 read again from the file when needed). A row's images are hashed, checked and decoded when the row is
 first drawn, on the rank that owns it (in its data loader); the row then carries
@@ -40,35 +42,32 @@ from yatt_lightning.datamodules.images import (
 from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
 from yatt_lightning.datamodules.tasks import ColourTask
 
-IMAGE_MARK = "<image>"
+from yatt_lightning.chat import IMAGE_MARK, chat_messages, display_prompt, messages_text
+
 log = logging.getLogger(__name__)
 
 
-def _prompt_text(row: dict, where: str, n_images: int) -> str:
-    """The row's prompt with one ``<image>`` mark per image."""
-    if "messages" in row:
-        parts = []
-        for message in row["messages"]:
-            content = message.get("content") if isinstance(message, dict) else None
-            for part in content if isinstance(content, list) else [{"type": "text", "text": content}]:
-                if isinstance(part, dict) and part.get("type") == "image":
-                    parts.append(IMAGE_MARK)
-                elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                else:
-                    raise ValueError(
-                        f"{where}: a message part must be {{'type': 'text', 'text': ...}} or an image, got {part!r}."
-                    )
-        text = "\n".join(parts)
-    elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
-        text = row["prompt"]
+def _prompt_text(raw: dict, where: str, n_images: int) -> tuple[str, list[dict] | None]:
+    """The row's prompt text with one ``<image>`` mark per image, and its chat messages (image parts without
+    their data, which stays in the file) when it is a chat row."""
+    value = raw["messages"] if "messages" in raw else raw.get("prompt")
+    messages = None
+    if isinstance(value, list):
+        messages = [
+            {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+            if isinstance(m["content"], list) else m
+            for m in chat_messages(value, where, images=True)
+        ]  # fmt: skip
+        text = messages_text(messages)
+    elif isinstance(value, str) and value.strip():
+        text = value
         if IMAGE_MARK not in text:
             text = f"{IMAGE_MARK}\n" * n_images + text
     else:
         raise ValueError(f"{where}: a row needs a non-empty 'prompt' string or chat 'messages'.")
     if text.count(IMAGE_MARK) != n_images:
         raise ValueError(f"{where}: the prompt has {text.count(IMAGE_MARK)} {IMAGE_MARK} marks for {n_images} images.")
-    return text
+    return text, messages
 
 
 def read_image_jsonl(path: Path) -> list[dict]:
@@ -80,7 +79,11 @@ def read_image_jsonl(path: Path) -> list[dict]:
         where = f"{path}:{lineno}"
         values = image_values(raw)
         row = {k: v for k, v in raw.items() if k not in ("prompt", "messages", "images")}
-        row["prompt"] = _prompt_text(raw, where, len(values))
+        text, messages = _prompt_text(raw, where, len(values))
+        if messages is None:
+            row["prompt"] = text
+        else:
+            row.update(messages=messages, prompt=display_prompt(messages))
         row["_images"] = [None if isinstance(v, str) and v.startswith(INLINE_PREFIX) else v for v in values]
         row.update(_source=where, _line=lineno, _offset=offset)
         rows.append(row)

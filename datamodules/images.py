@@ -64,11 +64,13 @@ class ImageRef(NamedTuple):
 
 
 def image_values(row: dict) -> list:
-    """The images a raw row names, in order: its ``images`` list, or the image parts of its chat ``messages``
-    (``{"type": "image", "image": ...}``)."""
-    if "messages" in row:
+    """The images a raw row names, in order: its ``images`` list, or the image parts of its chat messages
+    (``{"type": "image", "image": ...}``, under ``messages`` or a ``prompt`` given as a list)."""
+    messages = row["messages"] if "messages" in row else row.get("prompt")
+    if isinstance(messages, list):
         return [
-            part.get("image") for message in row["messages"] if isinstance(message.get("content"), list)
+            part.get("image") for message in messages if isinstance(message, dict)
+            and isinstance(message.get("content"), list)
             for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"
         ]  # fmt: skip
     images = row.get("images", [])

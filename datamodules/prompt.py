@@ -1,7 +1,7 @@
 """PromptDataModule: prompts for RL, sharded by data-parallel rank, resumable mid-epoch.
 
-Rows are dicts with a ``prompt`` string; every other field travels with the row to the reward
-function (e.g. ``answer``). Sources: a JSON-lines file (one object per line), or a built-in task.
+Rows are dicts with a ``prompt`` string (or chat ``messages``); every other field travels with the row to
+the reward function (e.g. ``answer``). Sources: a JSON-lines file (one object per line), or a built-in task.
 Each data-parallel rank reads only its own shard (a ``DistributedSampler`` over the data-parallel
 group, not the global ranks: the ranks of one model-parallel group share their prompts). Loading uses
 torchdata's ``StatefulDataLoader``, whose position Lightning saves in checkpoints.
@@ -24,6 +24,8 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
 from yatt_lightning.datamodules.tasks import AlphabetTask
+
+from yatt_lightning.chat import chat_messages, display_prompt
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -82,16 +84,30 @@ def jsonl_objects(path: Path) -> Iterator[tuple[int, int, dict]]:
 
 
 def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
-    """Rows of a JSON-lines file; a malformed line is an error naming the file and line number."""
+    """Rows of a JSON-lines file; a malformed line is an error naming the file and line number.
+
+    A row's prompt is a string under ``prompt_key``, or chat messages (``[{"role", "content"}, ...]``)
+    under ``prompt_key`` or ``messages``; a chat row keeps them as ``messages`` and shows its last user
+    message as ``prompt`` (see :mod:`yatt_lightning.chat`)."""
     rows = []
     for lineno, _, row in jsonl_objects(path):
         where = f"{path}:{lineno}"
-        if prompt_key not in row:
-            raise ValueError(f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}).")
-        if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
-            raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string.")
         row = dict(row)
-        row["prompt"] = row.pop(prompt_key)
+        if prompt_key in row and "messages" in row:
+            raise ValueError(f"{where}: both {prompt_key!r} and 'messages'; give the prompt once.")
+        value = row.pop(prompt_key) if prompt_key in row else row.pop("messages", None)
+        if value is None:
+            raise ValueError(
+                f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}); a row needs a prompt "
+                "string or chat 'messages'."
+            )
+        if isinstance(value, list):
+            row["messages"] = chat_messages(value, where)
+            row["prompt"] = display_prompt(row["messages"])
+        elif isinstance(value, str) and value.strip():
+            row["prompt"] = value
+        else:
+            raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string or a list of chat messages.")
         row["_source"] = where
         rows.append(row)
     if not rows:
@@ -108,7 +124,8 @@ class PromptDataModule(pl.LightningDataModule):
     path: A JSON-lines file of prompts; ``None`` uses ``task``.
     task: A built-in task generating rows (default :class:`AlphabetTask` when ``path`` is not given).
     batch_size: Prompts per data-parallel rank per RL step (each is sampled ``model.sampling.n`` times).
-    prompt_key: Field of each row holding the prompt.
+    prompt_key: Field of each row holding the prompt (a string, or chat messages; a row may give
+        ``messages`` instead).
     shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
     seed: Seed of the shuffle; ``None`` follows ``seed_everything``.
     num_workers: Data-loader worker processes.

@@ -45,9 +45,17 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
 TRACKER = "latest"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
-            "processor_config.json", "preprocessor_config.json")  # fmt: skip  (the last two: a VLM's image processor)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+
+
+def hf_files(model_path: Path) -> list[Path]:
+    """What a checkpoint keeps of the model folder, so that an export is a whole Hugging Face folder: every
+    file but the weights (config, generation config, the tokenizer's files whatever their names -- a
+    sentencepiece ``tokenizer.model``, ``added_tokens.json`` --, chat templates, the processor's files)."""
+    return sorted(
+        p for p in model_path.iterdir()
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES)
+    )  # fmt: skip
 
 
 class CheckpointError(RuntimeError):
@@ -108,9 +116,8 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
         (tmp / WEIGHTS).mkdir(parents=True)
         (tmp / "hf").mkdir()
         model_path = Path(strategy.lightning_module.model_path)
-        for name in HF_FILES:
-            if (model_path / name).is_file():
-                shutil.copy2(model_path / name, tmp / "hf" / name)
+        for path in hf_files(model_path):
+            shutil.copy2(path, tmp / "hf" / path.name)
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
     module = strategy.lightning_module

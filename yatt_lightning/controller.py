@@ -34,10 +34,10 @@ from yatt_lightning.rollout.service import RolloutRequest, RolloutService, Score
 
 ScoreFn = Callable[[RolloutBatch], Scores]
 
-# What a rank needs of a row the driver loaded: its prompt (tokenized there), its id (the sampling seed),
+# What a rank needs of a row the driver loaded: its prompt or chat messages (tokenized there), its id (the sampling seed),
 # where it came from (error messages) and its images' references (the training forward reads the pixels on
 # the rank). The other fields (answers) stay with the driver, which scores.
-STUB_FIELDS = ("prompt", "_id", "_source", "images")
+STUB_FIELDS = ("prompt", "messages", "_id", "_source", "images")
 
 
 class Controller:

@@ -42,6 +42,14 @@ def collapse(ids: list[int], token: int, per_image: int) -> list[int]:
     return out
 
 
+def expand(ids: list[int], token: int, per_image: int) -> list[int]:
+    """``ids`` with each image ``token`` repeated ``per_image`` times (the inverse of :func:`collapse`)."""
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * per_image if t == token else [t])
+    return out
+
+
 class ImageInputs:
     """Args:
     path: The vision-language model's Hugging Face folder (its config and image processor).
@@ -55,18 +63,10 @@ class ImageInputs:
         self.token_id = config.image_token_index
         self.tokens_per_image = tokens_per_image(config)
 
-    def expand(self, ids: list[int], row: dict) -> list[int]:
-        """``ids`` with each image token repeated ``tokens_per_image`` times; the count must match the row's images."""
-        marks = ids.count(self.token_id)
-        if "images" in row and marks != len(row["images"]):
-            raise ValueError(
-                f"prompt ({row['_source'] if '_source' in row else 'a row'}) tokenizes to {marks} image tokens for "
-                f"{len(row['images'])} images; write one <image> mark per image in the prompt."
-            )
-        out: list[int] = []
-        for token in ids:
-            out.extend([token] * self.tokens_per_image if token == self.token_id else [token])
-        return out
+    def expand(self, ids: list[int]) -> list[int]:
+        """``ids`` with each image token repeated ``tokens_per_image`` times (the prompt format checked that
+        the row has one per image)."""
+        return expand(ids, self.token_id, self.tokens_per_image)
 
     def pixels(self, rows: list[dict]) -> torch.Tensor | None:
         """``[images, 3, H, W]`` for the images of ``rows`` in order (``None`` when they have none)."""

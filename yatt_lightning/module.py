@@ -26,6 +26,7 @@ from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
 from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
+from yatt_lightning.chat import PromptFormat
 from yatt_lightning.critic import CRITIC_METRICS, Critic, sample_values
 from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.image_inputs import ImageInputs
@@ -82,7 +83,10 @@ class RLHFModule(pl.LightningModule):
             differing by one at most; fewer when a step has fewer samples).
         micro_batch_size: Sequences per forward/backward micro-batch.
         max_prompt_tokens: Longest prompt accepted, in tokens; a longer one is an error naming its row.
-        apply_chat_template: Wrap each prompt in the tokenizer's chat template when it has one.
+        apply_chat_template: Wrap each prompt in the model's chat template when it has one (see
+            :mod:`yatt_lightning.chat`: system prompts, rows that are chat messages).
+        system_prompt: A system message put in front of every prompt (not where a row's messages start
+            with their own); needs a chat template.
         log_samples: Completions written to TensorBoard as text every ``log_every_n_steps``.
         dynamic_sampling: Drop groups whose rewards are all equal and generate more rounds until enough
             groups remain (DAPO); ``None`` trains on every group.
@@ -112,6 +116,7 @@ class RLHFModule(pl.LightningModule):
         micro_batch_size: int = 32,
         max_prompt_tokens: int = 128,
         apply_chat_template: bool = True,
+        system_prompt: str | None = None,
         log_samples: int = 4,
         dynamic_sampling: DynamicSampling | None = None,
         long_tail: LongTailPolicy = lazy_instance(WaitForAll),
@@ -173,12 +178,14 @@ class RLHFModule(pl.LightningModule):
         self.micro_batch_size = micro_batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.apply_chat_template = apply_chat_template
+        self.system_prompt = system_prompt
         self.log_samples = log_samples
         self.seed = resolve_seed(seed)
         self.policy = None
         self.reference = None
         self.critic_model = None
         self.tokenizer = None
+        self.prompt_format: PromptFormat | None = None
         self.last_rollouts: RolloutBatch | None = None
         self.images: ImageInputs | None = None  # a vision-language policy's image tokens and pixels
         self.balancer = None  # set by callbacks.DPLoadBalancer
@@ -200,6 +207,7 @@ class RLHFModule(pl.LightningModule):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.prompt_format = self.prompt_format_for(path, self.tokenizer)
         dtype = self.policy_spec.torch_dtype()
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
         if self.kl_coef > 0:
@@ -421,18 +429,16 @@ class RLHFModule(pl.LightningModule):
             return [self.tokenize_prompt(row) for row in batch]
 
     # ------------------------------------------------------------------ hooks
+    def prompt_format_for(self, path, tokenizer) -> PromptFormat:
+        """How this module's rows become prompt ids for the model folder ``path`` (also used by preflight)."""
+        return PromptFormat.of(
+            path, tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt
+        )
+
     def tokenize_prompt(self, row: dict) -> list[int]:
-        prompt = row["prompt"]
-        if self.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        else:
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} ({row.get('_source', 'built-in task')}) tokenizes to nothing.")
-        ids = self.images.expand(ids, row) if self.images is not None else ids
+        """The row's prompt ids (:mod:`yatt_lightning.chat`), image tokens expanded to the model's count."""
+        ids = self.prompt_format.ids(row)
+        ids = self.images.expand(ids) if self.images is not None else ids
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt of {len(ids)} tokens ({row.get('_source', 'built-in task')}) is longer than "

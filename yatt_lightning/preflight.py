@@ -36,7 +36,7 @@ def check_run(model, datamodule, trainer) -> None:
     if trainer.max_steps == 0:
         raise ValueError("`trainer.max_steps` is 0: the run would train nothing; set it to the number of RL steps.")
     if datamodule is not None and hasattr(datamodule, "load_rows"):
-        check_data(model, datamodule, trainer, tokenizer)
+        check_data(model, datamodule, trainer, path, tokenizer)
 
 
 def check_layout(arch: HFArch, strategy, trainer) -> None:
@@ -92,8 +92,9 @@ def load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def check_data(model, datamodule, trainer, tokenizer) -> None:
-    """Every row loads, one step's worth exists, and every prompt tokenizes within the limit."""
+def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
+    """Every row loads, one step's worth exists, and every prompt tokenizes (in the model's chat template,
+    as the step will) within the limit."""
     rows = datamodule.load_rows()
     strategy = trainer.strategy
     model_parallel = strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size
@@ -104,11 +105,12 @@ def check_data(model, datamodule, trainer, tokenizer) -> None:
             f"the dataset ({source}) has {len(rows)} rows, fewer than one step needs ({replicas} data-parallel "
             f"ranks x `data.batch_size`={datamodule.batch_size}); add rows or lower `data.batch_size`."
         )
-    previous, model.tokenizer = model.tokenizer, tokenizer
+    previous = model.tokenizer, model.prompt_format
+    model.tokenizer, model.prompt_format = tokenizer, model.prompt_format_for(path, tokenizer)
     try:
         for row in rows:
             model.tokenize_prompt(row)
     finally:
-        model.tokenizer = previous
+        model.tokenizer, model.prompt_format = previous
     if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
         datamodule.dataset = datamodule.make_dataset(rows)  # checked: `setup` uses these rows instead of reading them again

@@ -12,7 +12,14 @@ import hashlib
 import json
 from pathlib import Path
 
-from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, build_once, cache_dir, train_tokenizer
+from yatt_lightning.models.tiny import (
+    SPECIAL_TOKENS,
+    TINY_QWEN2_SHAPE,
+    build_once,
+    cache_dir,
+    save_pretrained,
+    train_tokenizer,
+)
 
 TINY_LLAVA = "builtin:tiny-llava"
 IMAGE_TOKEN = "<image>"
@@ -61,8 +68,7 @@ def _write(folder: Path, seed: int, corpus: list[str]) -> None:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    model.save_pretrained(folder, safe_serialization=True)
-    _vision_tower_in_vllm_layout(folder / "model.safetensors")
+    save_pretrained(model, folder)
     size = TINY_LLAVA_VISION["image_size"]
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
@@ -70,16 +76,3 @@ def _write(folder: Path, seed: int, corpus: list[str]) -> None:
         image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
     )  # fmt: skip
     processor.save_pretrained(folder)
-
-
-def _vision_tower_in_vllm_layout(file: Path) -> None:
-    """transformers 5.19 saves the CLIP tower as ``vision_tower.*``; vLLM (and the LLaVA checkpoints people
-    publish) name it ``vision_tower.vision_model.*``, which transformers loads as well."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(file)
-    renamed = {
-        ("vision_tower.vision_model." + k.removeprefix("vision_tower.")) if k.startswith("vision_tower.") else k: v
-        for k, v in tensors.items()
-    }
-    save_file(renamed, file, metadata={"format": "pt"})

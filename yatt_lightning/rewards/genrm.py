@@ -13,6 +13,7 @@ import logging
 import string
 from typing import Literal
 
+from yatt_lightning.chat import render
 from yatt_lightning.models.tiny import resolve_model_path
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, public_fields
 from yatt_lightning.rewards.parsers import NumberParser, ScoreParser
@@ -129,10 +130,7 @@ class GenerativeRewardModel(RewardFunction):
                     f"which has {sorted(fields)}"
                 ) from None
             if getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-                )
-                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                ids = render(self.tokenizer, [{"role": "user", "content": text}])
             else:
                 ids = self.tokenizer(text)["input_ids"]
             out.append(ids[-self.max_judge_tokens :])

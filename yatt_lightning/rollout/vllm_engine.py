@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.image_inputs import collapse
+from yatt_lightning.image_inputs import collapse, expand
 from yatt_lightning.rollout.base import Completion, SamplingConfig
+from yatt_lightning.rollout.vllm_models import engine_overrides
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class VLLMEngine:
 
         vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs.update(engine_overrides(hf_config))  # folders as transformers writes them (vllm_models)
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # The external launcher reads the torchrun variables; Lightning's own launcher sets only some.
@@ -216,6 +218,7 @@ class VLLMEngine:
         engine = self._llm().llm_engine
         self._batches += 1
         pending: dict[str, int] = {}
+        sent: dict[str, list[int]] = {}  # the ids the engine must see, image placeholders expanded
         for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
             params = SamplingParams(
                 n=sampling.n,
@@ -230,10 +233,12 @@ class VLLMEngine:
             )
             request_id = f"yatt-{self._batches}-{i}"
             inputs = TokensPrompt(prompt_token_ids=prompt)
+            sent[request_id] = prompt
             if images is not None and images[i]:
                 # The model sees each image as a run of placeholder tokens; vLLM wants one and expands it.
                 if prompt.count(self.image_token_id) != len(images[i]):  # not already one per image
                     prompt = collapse(prompt, self.image_token_id, self.image_tokens)
+                sent[request_id] = expand(prompt, self.image_token_id, self.image_tokens)
                 inputs = TokensPrompt(prompt_token_ids=prompt)
                 inputs["multi_modal_data"] = {"image": images[i]}
             engine.add_request(request_id, inputs, params)
@@ -242,6 +247,7 @@ class VLLMEngine:
             while pending:
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
+                        _check_prompt(out, sent.pop(out.request_id))
                         yield pending.pop(out.request_id), _completions(out)
         finally:
             if pending:
@@ -310,6 +316,18 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
+
+
+def _check_prompt(out, ids: list[int]) -> None:
+    """The engine sampled after exactly the prompt ids it was given (images expanded as the policy has
+    them): otherwise its logprobs belong to another sequence than the one trained on."""
+    seen = list(out.prompt_token_ids or [])
+    if seen != ids:
+        at = next((k for k, (a, b) in enumerate(zip(seen, ids, strict=False)) if a != b), min(len(seen), len(ids)))
+        raise RuntimeError(
+            f"the rollout engine saw other prompt ids than it was given ({len(seen)} vs {len(ids)} tokens, first "
+            f"difference at position {at}: {seen[at:at + 5]} vs {ids[at:at + 5]})"
+        )
 
 
 def _completions(out) -> list[Completion]:

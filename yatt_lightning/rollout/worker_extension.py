@@ -14,8 +14,31 @@ class WeightSyncExtension:
 
     def yatt_reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(weights))
+        _retie_output_embedding(self.model_runner.model, self.model_runner.model_config.hf_config)
         return len(weights)
 
     def yatt_named_parameter(self, name: str) -> torch.Tensor:
         """A copy of one of the engine's parameters (tests compare it with the pushed tensor)."""
         return dict(self.model_runner.model.named_parameters())[name].detach().clone().cpu()
+
+
+def _retie_output_embedding(model: torch.nn.Module, hf_config) -> None:
+    """Tied embeddings (Llama 3.2, Qwen2.5 0.5B, ...): the output layer shares the input embedding, and no
+    ``lm_head.weight`` is pushed. vLLM 0.32's layer-wise reload then gives the output layer back its old
+    kernel tensors (``ParallelLMHead: Failed to load weights``; on CPU its packed copy of the old
+    embedding), so the engine would sample from the initial output layer forever (measured: logprobs 0.09
+    off after one step, 0.23 after three). Tie it again to the reloaded embedding and redo its kernel
+    preparation, as the first load did."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    if not hf_config.get_text_config().tie_word_embeddings:
+        return
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+    if len(heads) != 1 or len(embeddings) != 1:
+        raise RuntimeError(
+            f"tied embeddings: expected one output layer and one token embedding in the engine's model, found "
+            f"{len(heads)} and {len(embeddings)}"
+        )
+    head = heads[0].tie_weights(embeddings[0])
+    head.quant_method.process_weights_after_loading(head)

@@ -1,0 +1,80 @@
+"""Tier 3: models as users have them (tests/user_models.py: plain ``save_pretrained``, chat templates) through
+`yatt fit`, the engine-vs-policy logprob check and `yatt export`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from tests.helpers import REPO, read_scalars, run, run_script, yatt
+
+pytestmark = pytest.mark.slow
+
+
+def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
+    """Qwen2 with ChatML learns the alphabet task in 150 steps (the default config's length) with its
+    template applied; Llama with tied embeddings (and a system prompt) and Mistral train 6 steps. On every
+    step of every run the engine's logprobs of the sampled tokens equal the policy's (< 1e-3: a tied output
+    layer the engine failed to reload would be 0.1-0.2 off), the prompt the engine sampled from is the
+    tokenizer's own ``apply_chat_template`` ids, and the export loads in transformers with every tensor the
+    trained one (a tied model stays tied)."""
+    result = run_script("user_models_fit.py", str(tmp_path), "qwen2=150", "llama-tied=6", "mistral=6", timeout=600)
+    marks = {"qwen2": "<|im_start|>user\nafter ", "llama-tied": "<|begin_of_text|>You are a helpful assistant.\nUSER: after ",
+             "mistral": "<|im_start|>user\nafter "}  # fmt: skip
+    for family, r in result.items():
+        assert r["prompt_ids"] == r["tokenizer_ids"], family
+        assert r["prompt_text"].startswith(marks[family]), (family, r["prompt_text"])
+        assert max(r["logprob_diff_max"]) < 1e-3, (family, r["logprob_diff_max"])
+        assert not r["export_missing"] and not r["export_unexpected"], family
+        assert r["moved"] == r["tensors"], f"{family}: {r['moved']} of {r['tensors']} exported tensors were trained"
+        assert {"chat_template.jinja", "tokenizer.json", "tokenizer_config.json"} <= set(r["export_files"]), family
+    assert result["llama-tied"]["export_tied"] and not result["qwen2"]["export_tied"]
+    rewards = result["qwen2"]["rewards"]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    assert len(rewards) == 150 and last > first + 0.3, (first, last)
+
+
+def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_path):
+    """A LLaVA written by transformers 5.19's ``save_pretrained`` (vision tower as ``vision_tower.*``, which
+    vLLM's loader does not name), with its own processor and llava-hf's chat template: `yatt fit
+    --model.policy.path` on the colour task starts the engine, trains (engine and policy agree on every
+    step), and `yatt export` writes a folder transformers loads whole, its tower, projector and language
+    model the trained ones. The reward is the user's own (a file in the working directory): the colour's
+    first letter first, which a random policy hits often enough for 8 steps to have gradients (the exact
+    colour word, in 2 tokens, it rarely samples)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from tests.user_models import build
+    from yatt_lightning.models.vlm import published_name
+
+    folder = build("llava", tmp_path / "llava")
+    assert any(k.startswith("vision_tower.embeddings.") for k in load_file(folder / "model.safetensors"))
+    (tmp_path / "first_letter.py").write_text(
+        "def score(prompt, completion, answer, **row):\n    return float(completion.strip()[:1] == answer[0])\n"
+    )
+    saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+              "init_args": {"every_n_steps": 1000, "dirpath": str(tmp_path / "ckpts")}}]  # fmt: skip
+    run([sys.executable, "-m", "yatt_lightning.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
+         "--model.policy.path", str(folder), "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path / "run"),
+         "--model.reward_fn", "first_letter.score", "--trainer.callbacks", json.dumps(saver)], cwd=tmp_path,
+        timeout=400)  # fmt: skip
+    scalars = read_scalars(tmp_path / "run")
+    assert len(scalars["reward/mean"]) == 8 and max(v for _, v in scalars["reward/mean"]) > 0
+    assert max(v for _, v in scalars["rollout/logprob_diff_max"]) < 1e-3
+    out = tmp_path / "hf"
+    yatt(["export", "--ckpt_dir", str(tmp_path / "ckpts"), "--out", str(out)], cwd=tmp_path)
+    model, info = LlavaForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert AutoProcessor.from_pretrained(out).chat_template == AutoProcessor.from_pretrained(folder).chat_template
+    exported = load_file(out / "model.safetensors")
+    initial = {published_name(k): v for k, v in load_file(folder / "model.safetensors").items()}
+    assert exported.keys() == initial.keys()
+    moved = {k for k in initial if not torch.equal(exported[k], initial[k])}
+    for name in ("vision_tower.vision_model.embeddings.patch_embedding.weight", "multi_modal_projector.linear_1.weight",
+                 "language_model.model.layers.0.self_attn.q_proj.weight"):  # fmt: skip
+        assert name in moved, name

@@ -1,0 +1,168 @@
+"""Small models as users bring them: written by plain ``save_pretrained`` of transformers, each with a chat template.
+
+The built-in models are built by yatt-lightning itself; these are what a user's folder looks like instead:
+the family's own tokenizer class (Qwen2's byte-level BPE, Llama 3's ``PreTrainedTokenizerFast`` with a BOS
+post-processor, Mistral's sentencepiece-style ``LlamaTokenizer``), a chat template, and for LLaVA a
+``LlavaProcessor`` with transformers' CLIP image processor and llava-hf's template. Random weights, a few
+hundred thousand parameters, vocabularies trained on the built-in tasks' text (so the alphabet task can be
+learned), head size 32 (vLLM on CPU).
+
+    python -m tests.user_models OUT_DIR     # writes every family under OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# Qwen's ChatML.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Vicuna's "USER: ... ASSISTANT:", with the tokenizer's BOS in front.
+USER_ASSISTANT = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'USER: ' + message['content'] + '\n' }}"
+    "{% else %}{{ 'ASSISTANT: ' + message['content'] + eos_token + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# llava-hf's LLaVA 1.5 template: structured content, images first, then the text.
+LLAVA = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# ChatML for structured content (as Qwen2-VL writes it), with LLaVA's image token.
+CHATML_VISION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "{{ '<image>' }}{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+FAMILIES = ("qwen2", "llama-tied", "mistral", "llava")
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6)  # fmt: skip
+
+
+def _corpus() -> list[str]:
+    from yatt_lightning.datamodules.tasks import ColourTask
+
+    return [*ColourTask.corpus(), "USER ASSISTANT user assistant system You are a helpful assistant."]
+
+
+def _bpe(special: list[str], *, metaspace: bool = False, vocab_size: int = 400) -> tuple[dict, list]:
+    """Vocabulary and merges of a BPE trained on the tasks' text: byte-level (Qwen2, Llama 3), or
+    sentencepiece-style with byte fallback tokens (``metaspace``: Llama 2, Mistral)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=metaspace))
+    if metaspace:
+        # Merges within words, as sentencepiece learns them (the tokenizer then encodes without splitting).
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+        special = special + [f"<0x{i:02X}>" for i in range(256)]
+        alphabet = []
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size + (256 if metaspace else 0), special_tokens=special, initial_alphabet=alphabet,
+        min_frequency=1, show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    state = json.loads(tok.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
+    return state["vocab"], merges
+
+
+def _tokenizer(family: str):
+    from tokenizers import processors
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
+
+    if family in ("qwen2", "llava"):
+        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<image>"] if family == "llava" else [])
+        vocab, merges = _bpe(special)
+        tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
+                             pad_token="<|endoftext|>")  # fmt: skip
+        tok.add_special_tokens({"additional_special_tokens": special[1:]})
+        tok.chat_template = CHATML
+        return tok
+    if family == "llama-tied":  # Llama 3: PreTrainedTokenizerFast, byte-level BPE, BOS by its post-processor
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+        vocab, merges = _bpe(special)
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", vocab["<|begin_of_text|>"])]
+        )
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                      eos_token="<|eot_id|>", pad_token="<|end_of_text|>")  # fmt: skip
+        tok.add_special_tokens({"additional_special_tokens": special})
+        tok.chat_template = USER_ASSISTANT
+        return tok
+    if family == "mistral":  # sentencepiece-style BPE, as Mistral's (and Llama 2's) LlamaTokenizer
+        vocab, merges = _bpe(["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], metaspace=True)
+        tok = LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<unk>", add_bos_token=True)
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.chat_template = CHATML
+        return tok
+    raise ValueError(f"unknown family {family!r}; families: {', '.join(FAMILIES)}")
+
+
+def build(family: str, folder: Path, seed: int = 0) -> Path:
+    """Write ``family``'s model, tokenizer (and processor) into ``folder`` with plain ``save_pretrained``."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )  # fmt: skip
+
+    tok = _tokenizer(family)
+    ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+               bos_token_id=tok.bos_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **ids))
+    elif family == "llama-tied":
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, **ids, tie_word_embeddings=True))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**SHAPE, **ids, sliding_window=None))
+    else:
+        vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=56, patch_size=14, projection_dim=64)  # fmt: skip
+        config = LlavaConfig(
+            vision_config=vision, text_config=Qwen2Config(**SHAPE, **ids), image_token_index=tok.convert_tokens_to_ids("<image>"),
+            image_seq_length=16, vision_feature_select_strategy="default", vision_feature_layer=-1,
+        )  # fmt: skip
+        model = LlavaForConditionalGeneration(config)
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+            tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", chat_template=LLAVA,
+            num_additional_image_tokens=1,
+        )  # fmt: skip
+        tok.chat_template = LLAVA
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(folder)
+    (processor if family == "llava" else tok).save_pretrained(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    for name in FAMILIES:
+        print(build(name, out / name))
