@@ -54,6 +54,11 @@ CONFIG_CASES = {
     "prompt too long": Case(["--data.path", "p.jsonl", "--data.batch_size", "1", "--model.max_prompt_tokens", "3"],
                             r"prompt of \d+ tokens \(p\.jsonl:1\) is longer than `model.max_prompt_tokens`=3",
                             {"p.jsonl": json.dumps({"prompt": "after a comes b and then c d e f g"}) + "\n"}),
+    "chat row with an image part": Case(
+        ["--data.path", "p.jsonl"], r"p\.jsonl:1: a message part must be .*rows with images need",
+        {"p.jsonl": json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}) + "\n"}),
+    "system prompt without a chat template": Case(
+        ["--model.system_prompt", "Be brief."], r"`model.system_prompt` is set but \S+ has no chat template"),
     # keys and values
     "wrong type": Case(["--trainer.max_steps", "many"], r"`trainer.max_steps`: Expected a <class 'int'>"),
     "unknown key": Case(["--model.algorithm.clip_epsilon", "0.3"],

@@ -38,12 +38,17 @@ def test_engine_logprobs_equal_policy_logprobs_after_training(tmp_path):
 def test_vlm_engine_samples_from_images_and_matches_transformers_before_and_after_a_push():
     """The tiny LLaVA in vLLM (through the torchvision shim): image prompts as token ids, logprobs equal to
     transformers' on the same image and tokens, also after pushing changed vision-tower and projector
-    weights; a generation after the push works (the engine's image-encoder cache was reset)."""
+    weights; a generation after the push works (the engine's image-encoder cache was reset). The built
+    model is as transformers 5.19 writes it; the same weights named as transformers 4 (published), 4.52+
+    and 5's modules name them load as well, and sample the same."""
     result = run_script("vlm_engine.py", timeout=400)
     assert result["diff_before"] < 1e-4 and result["diff_after"] < 1e-4, result
     assert result["images_matter"], "a red and a blue square must give different samples"
     assert result["push_changed"], "pushed vision weights must change the samples"
     assert result["after_again_equal"], "the same seed after the push must give the same samples"
+    assert len(result["layouts"]) == 3, result["layouts"]
+    for layout, r in result["layouts"].items():  # every layout transformers wrote starts and loads the same weights
+        assert r["same_samples"] and r["diff"] < 1e-4, (layout, r)
 
 
 @pytest.mark.slow

@@ -84,3 +84,16 @@ def test_llava_export_round_trips_and_training_moves_the_vision_tower(megatron_w
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in moved
     unused = {k for k in original if "post_layernorm" in k}  # CLIP's pooled-output norm: LLaVA never reads it
     assert moved == set(original) - unused
+
+
+def test_llava_loads_from_every_layout_transformers_writes(megatron_world, llava_path, tmp_path):  # noqa: F811
+    """The same weights named as transformers 5.19's save_pretrained, transformers 4 (published), 4.52+ and
+    5's modules name them: the policy holds the same tensors from each, and exports them under the
+    published names."""
+    from tests.user_models import LLAVA_LAYOUTS, relayout
+
+    exports = [dict(_policy(relayout(llava_path, layout, tmp_path / str(i))).export_hf()) for i, layout in
+               enumerate(LLAVA_LAYOUTS)]  # fmt: skip
+    assert all(e.keys() == exports[0].keys() for e in exports)
+    assert all(torch.equal(e[k], exports[0][k]) for e in exports for k in e)
+    assert any(k.startswith("vision_tower.vision_model.") for k in exports[0])

@@ -166,3 +166,29 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     for name in FAMILIES:
         print(build(name, out / name))
+
+
+# How transformers versions name a LLaVA's tensors, from what 5.19's save_pretrained writes: the tower's
+# prefix, the language model's, its output layer's, the projector's.
+LLAVA_LAYOUTS = {
+    "transformers 5 save_pretrained": ("vision_tower.", "language_model.model.", "language_model.lm_head.", "multi_modal_projector."),
+    "transformers 4 (published)": ("vision_tower.vision_model.", "language_model.model.", "language_model.lm_head.", "multi_modal_projector."),
+    "transformers 4.52+": ("model.vision_tower.vision_model.", "model.language_model.", "lm_head.", "model.multi_modal_projector."),
+    "transformers 5 modules": ("model.vision_tower.", "model.language_model.", "lm_head.", "model.multi_modal_projector."),
+}  # fmt: skip
+
+
+def relayout(folder: Path, layout: str, out: Path) -> Path:
+    """A copy of the LLaVA ``folder`` (as :func:`build` writes it) with its tensors named as ``layout``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    source, target = LLAVA_LAYOUTS["transformers 5 save_pretrained"], LLAVA_LAYOUTS[layout]
+    renamed = {}
+    for name, tensor in load_file(out / "model.safetensors").items():
+        prefix = next(p for p in source if name.startswith(p))
+        renamed[target[source.index(prefix)] + name.removeprefix(prefix)] = tensor
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out

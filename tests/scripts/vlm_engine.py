@@ -4,14 +4,19 @@ Prints one JSON line. Starts ``VLLMEngine`` on ``builtin:tiny-llava``, samples f
 given as token ids (one ``<image>`` token per image), scores the same tokens with transformers' LLaVA on
 the same image, then pushes changed vision-tower and projector weights and does both again (a second
 generation after the push would fail with an encoder-cache miss if the engine kept its image cache).
+Then starts an engine on the same weights named as the other transformers versions name them
+(tests/user_models.py's ``LLAVA_LAYOUTS``): each samples the same and matches transformers.
 """
 
 import json
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _transformers_logprobs(model, processor, prompt_ids, image, completions) -> list[list[float]]:
@@ -37,6 +42,7 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    from tests.user_models import LLAVA_LAYOUTS, relayout
     from yatt_lightning.models.tiny_llava import IMAGE_TOKEN, IMAGE_TOKENS, build_tiny_llava
     from yatt_lightning.rollout.base import SamplingConfig
     from yatt_lightning.rollout.vllm_engine import VLLMEngine
@@ -70,10 +76,18 @@ def main() -> None:
         after, diff_after = check(tmp)
     again = engine.generate([prompt], sampling, seeds=[1], images=[[red]])  # cached encoder outputs would miss
     engine.shutdown()
+    layouts = {}  # the same weights named as other transformers versions wrote them: the same engine
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, layout in enumerate(name for name in LLAVA_LAYOUTS if name != "transformers 5 save_pretrained"):
+            engine = VLLMEngine()
+            engine.start(relayout(path, layout, Path(tmp) / str(i)), max_num_seqs=8, max_model_len=64, dtype="float32")
+            samples, diff = check(path)
+            layouts[layout] = {"same_samples": samples == before, "diff": diff}
+            engine.shutdown()
     print(json.dumps({
         "prompt_tokens": len(prompt), "diff_before": diff_before, "diff_after": diff_after,
         "images_matter": before[0] != before[1], "push_changed": before != after,
-        "after_again_equal": [c.token_ids for c in again[0]] == after[0],
+        "after_again_equal": [c.token_ids for c in again[0]] == after[0], "layouts": layouts,
     }))  # fmt: skip
 
 
