@@ -122,7 +122,7 @@ class ColourTask:
 
     def folder(self) -> Path:
         """Where the task is written by default: under the model cache, named by its arguments."""
-        from yatt_lightning.models.tiny import cache_dir
+        from yatt_lightning.models.build_cache import cache_dir
 
         return cache_dir() / f"colour-task-{self.num_rows}-{self.image_size}-{self.min_fill}-{self.seed}"
 

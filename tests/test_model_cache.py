@@ -28,7 +28,7 @@ def _build_rounds(rank: int, port: int, queue) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
-    from yatt_lightning.models import tiny
+    from yatt_lightning.models import build_cache, tiny
 
     root = Path(os.environ["YATT_TEST_ROOT"])
     results = []
@@ -37,7 +37,7 @@ def _build_rounds(rank: int, port: int, queue) -> None:
         dist.barrier()  # every rank starts its build at once
         try:
             folder = tiny.build_tiny_qwen2()
-            problem = tiny._incomplete(folder)
+            problem = build_cache.incomplete(folder)
             with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
                 tensors = len(list(f.keys()))
             config = json.loads((folder / "config.json").read_text())["model_type"]
@@ -67,37 +67,37 @@ def test_four_processes_building_at_once_on_an_empty_cache_all_get_a_whole_folde
 def test_a_damaged_folder_is_moved_aside_and_rebuilt(tmp_path, monkeypatch, caplog):
     """The folder such a build left (only the tokenizer's files, no manifest), and one whose weights were
     truncated after it was built: each is moved aside, named in the log, and built again."""
-    from yatt_lightning.models import tiny
+    from yatt_lightning.models import build_cache, tiny
 
     monkeypatch.setenv("YATT_CACHE", str(tmp_path))
     folder = tiny.build_tiny_qwen2()
     good = (folder / "model.safetensors").read_bytes()
     for damage in ("only the tokenizer", "truncated weights"):
         if damage == "only the tokenizer":
-            for name in ("config.json", "generation_config.json", "model.safetensors", tiny.BUILD_MANIFEST):
+            for name in ("config.json", "generation_config.json", "model.safetensors", build_cache.BUILD_MANIFEST):
                 (folder / name).unlink()
             why = "no build manifest; it holds tokenizer.json, tokenizer_config.json"
         else:
             (folder / "model.safetensors").write_bytes(good[: len(good) // 2])
             why = f"model.safetensors is {len(good) // 2} bytes, not {len(good)}"
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="yatt_lightning.models.tiny"):
+        with caplog.at_level(logging.INFO, logger="yatt_lightning.models.build_cache"):
             assert tiny.build_tiny_qwen2() == folder
         warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warning) == 1 and f"is incomplete ({why}): moved it aside to" in warning[0], warning
         aside = Path(warning[0].split("moved it aside to ")[1].split(";")[0])
         assert aside.is_dir() and aside.parent == tmp_path and aside.name.startswith(folder.name + ".incomplete-")
-        assert tiny._incomplete(folder) is None and (folder / "model.safetensors").read_bytes() == good
+        assert build_cache.incomplete(folder) is None and (folder / "model.safetensors").read_bytes() == good
     assert tiny.build_tiny_qwen2() == folder  # whole: nothing moved, nothing built
     assert len([p for p in tmp_path.iterdir() if ".incomplete-" in p.name]) == 2
 
 
 def test_a_build_that_writes_no_weights_is_refused_and_leaves_nothing(tmp_path):
-    from yatt_lightning.models import tiny
+    from yatt_lightning.models import build_cache
 
     def tokenizer_only(folder: Path) -> None:
         (folder / "tokenizer.json").write_text("{}")
 
     with pytest.raises(RuntimeError, match=r"wrote no config\.json, weights \(it holds tokenizer\.json\)"):
-        tiny.build_once(tmp_path / "model", tokenizer_only)
+        build_cache.build_once(tmp_path / "model", tokenizer_only)
     assert [p.name for p in tmp_path.iterdir()] == ["model.lock"]

@@ -49,13 +49,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 
 
 def hf_files(model_path: Path) -> list[Path]:
-    """What a checkpoint keeps of the model folder, so that an export is a whole Hugging Face folder: every
-    file but the weights (config, generation config, the tokenizer's files whatever their names -- a
-    sentencepiece ``tokenizer.model``, ``added_tokens.json`` --, chat templates, the processor's files)."""
-    return sorted(
-        p for p in model_path.iterdir()
-        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES)
-    )  # fmt: skip
+    """Every file of the model folder but its weights (config, the tokenizer's files whatever their names, chat
+    templates, the processor's): what makes an export a whole Hugging Face folder."""
+    return sorted(p for p in model_path.iterdir() if p.is_file() and p.name[0] != "." and not p.name.endswith(WEIGHT_SUFFIXES))
 
 
 class CheckpointError(RuntimeError):

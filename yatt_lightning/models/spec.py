@@ -8,7 +8,8 @@ from typing import Literal
 
 import torch
 
-from yatt_lightning.models.tiny import BUILTIN_PREFIX, TINY_QWEN2, resolve_model_path
+from yatt_lightning.models.builtin import BUILTIN_PREFIX, resolve_model_path
+from yatt_lightning.models.tiny import TINY_QWEN2
 
 
 @dataclass

@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
 
-BUILTIN_PREFIX = "builtin:"
 TINY_QWEN2 = "builtin:tiny-qwen2"
 
 # One place for the tiny model's shape; changing it changes the cache key.
@@ -61,38 +54,6 @@ BUILTIN_SHAPES = {TINY_QWEN2: TINY_QWEN2_SHAPE, SMALL_QWEN2: SMALL_QWEN2_SHAPE, 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
 
-def cache_dir() -> Path:
-    """Folder for built artefacts: ``$YATT_CACHE`` or ``~/.cache/yatt_lightning``."""
-    return Path(os.environ.get("YATT_CACHE", Path.home() / ".cache" / "yatt_lightning"))
-
-
-def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
-    """Turn a config value into a Hugging Face model folder, building the built-in model if named.
-
-    Raises:
-        ValueError: if ``path`` names an unknown built-in model, or is not a folder with ``config.json``.
-    """
-    if path.startswith(BUILTIN_PREFIX):
-        from yatt_lightning.models.tiny_llava import TINY_LLAVA, build_tiny_llava
-
-        if path == TINY_LLAVA:
-            return build_tiny_llava()
-        if path not in BUILTIN_SHAPES:
-            raise ValueError(
-                f"`{key}`: unknown built-in model {path!r}; built-in models: {', '.join([*BUILTIN_SHAPES, TINY_LLAVA])}."
-            )
-        return build_tiny_qwen2(shape=BUILTIN_SHAPES[path])
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(
-            f"`{key}`: model folder {str(folder)!r} does not exist. Pass a Hugging Face model folder "
-            f"(with config.json, *.safetensors and the tokenizer files) or {TINY_QWEN2!r}."
-        )
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"`{key}`: {str(folder)!r} has no config.json; it is not a Hugging Face model folder.")
-    return folder
-
-
 def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
     """Build (once) and return the folder of a random-initialised Qwen2-style model of ``shape`` (default:
     the tiny one) with the locally trained tokenizer; safe under concurrent ranks."""
@@ -102,80 +63,6 @@ def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
     key = hashlib.sha256(json.dumps([shape, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
     out = cache_dir() / f"{'tiny-' if shape == TINY_QWEN2_SHAPE else ''}qwen2-{key.hexdigest()[:12]}"
     return build_once(out, lambda tmp: _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus(), shape))
-
-
-BUILD_MANIFEST = ".yatt-build.json"  # written last: the folder's files and sizes
-
-
-def build_once(out: Path, write: Callable[[Path], None]) -> Path:
-    """``out``, written by ``write(folder)`` the first time; safe with any number of processes building it at once.
-
-    Under a file lock, ``write`` fills a fresh temporary folder, which is checked (a config, weights, a
-    tokenizer), sealed with a manifest of its files and sizes, and renamed to ``out`` in one step; a
-    folder counts as built only when its manifest matches its files. A folder found incomplete (a build
-    killed before these rules, an edited cache) is moved aside under the lock, named in the log, and built
-    again.
-    """
-    from filelock import FileLock
-
-    if not _incomplete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        problem = _incomplete(out)
-        if not problem:
-            return out
-        if out.exists():
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.incomplete-{stamp}-", dir=out.parent))
-            os.replace(out, aside)  # onto the empty folder just made: a name no other build takes
-            log.warning("built-in model folder %s is incomplete (%s): moved it aside to %s; building it again", out, problem, aside)
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-        try:
-            write(tmp)
-            _seal(tmp)
-            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from the machine's other users
-            os.replace(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built %s", out)
-    return out
-
-
-def _incomplete(folder: Path) -> str | None:
-    """Why ``folder`` is not a finished build (``None`` when it is)."""
-    if not folder.is_dir():
-        return "absent"
-    try:
-        files = json.loads((folder / BUILD_MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        held = sorted(p.name for p in folder.iterdir())
-        return f"no build manifest; it holds {', '.join(held) or 'nothing'}"
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return f"{name} is {'missing' if not path.is_file() else f'{path.stat().st_size} bytes, not {size}'}"
-    return None
-
-
-def _seal(folder: Path) -> None:
-    """Check what ``write`` left in ``folder`` and record it in the manifest, or raise naming what is missing."""
-    names = {p.name for p in folder.iterdir() if p.is_file()}
-    needed = {"config.json": "config.json", "weights": "model.safetensors", "tokenizer": "tokenizer.json"}
-    missing = [what for what, name in needed.items() if name not in names]
-    if missing:
-        raise RuntimeError(f"building {folder} wrote no {', '.join(missing)} (it holds {', '.join(sorted(names))})")
-    files = {name: (folder / name).stat().st_size for name in sorted(names)}
-    (folder / BUILD_MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-
-
-def save_pretrained(model: Any, folder: Path) -> None:
-    """``model.save_pretrained(folder)`` on whichever process builds. transformers 5.19 writes nothing on a rank
-    other than 0 of an initialised process group (``DistributedMixin.should_save_on_this_rank``), while the
-    tokenizer's ``save_pretrained`` still writes: a judge built on rank 1 left a cache folder holding only the
-    tokenizer's files. The builder is the folder's only writer (under :func:`build_once`'s lock)."""
-    model.should_save_on_this_rank = lambda is_main_process: is_main_process
-    model.save_pretrained(folder, safe_serialization=True)
 
 
 def train_tokenizer(corpus, vocab_size: int) -> Any:

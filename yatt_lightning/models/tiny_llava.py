@@ -12,14 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from yatt_lightning.models.tiny import (
-    SPECIAL_TOKENS,
-    TINY_QWEN2_SHAPE,
-    build_once,
-    cache_dir,
-    save_pretrained,
-    train_tokenizer,
-)
+from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
+from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, train_tokenizer
 
 TINY_LLAVA = "builtin:tiny-llava"
 IMAGE_TOKEN = "<image>"

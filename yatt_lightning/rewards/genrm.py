@@ -14,7 +14,7 @@ import string
 from typing import Literal
 
 from yatt_lightning.chat import render
-from yatt_lightning.models.tiny import resolve_model_path
+from yatt_lightning.models.builtin import resolve_model_path
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, public_fields
 from yatt_lightning.rewards.parsers import NumberParser, ScoreParser
 from yatt_lightning.rollout.vllm_engine import VLLMEngine
