@@ -145,3 +145,21 @@ def test_the_engine_refuses_samples_drawn_after_other_prompt_ids_than_it_was_giv
     with pytest.raises(RuntimeError, match=r"other prompt ids than it was given \(5 vs 4 tokens, first difference "
                                            r"at position 0: \[1, 5, 9, 9, 2\] vs \[5, 9, 9, 2\]\)"):  # fmt: skip
         _check_prompt(SimpleNamespace(prompt_token_ids=[1, 5, 9, 9, 2]), [5, 9, 9, 2])  # a BOS added by the engine
+
+
+def test_a_llava_folder_whose_template_only_its_processor_has_uses_that_one(folders, tmp_path):
+    """transformers 4 kept a processor's template in ``chat_template.json``, where the tokenizer does not look."""
+    import shutil
+
+    folder = shutil.copytree(folders["llava"], tmp_path / "llava4")
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (folder / "chat_template.jinja").unlink()
+    tok = _tokenizer(folder)
+    assert tok.chat_template is None
+    fmt = PromptFormat.of(folder, tok)
+    assert fmt.source.endswith("(its processor)")
+    tok.chat_template = template  # what the processor's own rendering gives
+    assert fmt.ids({"prompt": "<image>\ncolour:", "_images": ["a.png"]}) == _own(
+        tok, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour:"}]}]
+    )
