@@ -42,7 +42,7 @@ from yatt_lightning.datamodules.images import (
 from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
 from yatt_lightning.datamodules.tasks import ColourTask
 
-from yatt_lightning.chat import IMAGE_MARK, chat_messages, display_prompt, messages_text
+from yatt_lightning.chat import IMAGE_MARK, chat_messages, content_parts, display_prompt, messages_text
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,9 @@ def _prompt_text(raw: dict, where: str, n_images: int) -> tuple[str, list[dict] 
     messages = None
     if isinstance(value, list):
         messages = [
-            {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
-            if isinstance(m["content"], list) else m
+            {**m, "content": content_parts(m["content"])} if isinstance(m["content"], list) else m
             for m in chat_messages(value, where, images=True)
-        ]  # fmt: skip
+        ]
         text = messages_text(messages)
     elif isinstance(value, str) and value.strip():
         text = value

@@ -70,19 +70,24 @@ def part_texts(content: str | list) -> list[str]:
     return [IMAGE_MARK if part.get("type") == "image" else part["text"] for part in content]
 
 
+def content_text(content: str | list) -> str:
+    """A message's content as one text: its pieces joined by newlines."""
+    return "\n".join(part_texts(content))
+
+
 def messages_text(messages: list[dict]) -> str:
     """The messages' parts joined by newlines (a chat row's prompt without a chat template)."""
-    return "\n".join(text for m in messages for text in part_texts(m["content"]))
+    return "\n".join(content_text(m["content"]) for m in messages)
 
 
 def display_prompt(messages: list[dict]) -> str:
     """What a chat row shows as its ``prompt`` (the reward's ``prompt`` argument, the logged samples): the
     text of its last user message, with ``<image>`` marks."""
     users = [m for m in messages if m["role"] == "user"] or messages
-    return "\n".join(part_texts(users[-1]["content"]))
+    return content_text(users[-1]["content"])
 
 
-def _parts(content: str | list) -> list[dict]:
+def content_parts(content: str | list) -> list[dict]:
     """Structured content: a string split at its ``<image>`` marks (text stripped, empty pieces dropped),
     image parts without their data (the pixels reach the model separately)."""
     if isinstance(content, list):
@@ -102,10 +107,6 @@ def _row_images(row: dict) -> list | None:
         if key in row:
             return row[key]
     return None
-
-
-def _text(content: str | list) -> str:
-    return content if isinstance(content, str) else "\n".join(part_texts(content))
 
 
 # ---------------------------------------------------------------------------------------------- ids
@@ -167,7 +168,7 @@ class PromptFormat:
         messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        convert = _parts if self.image_token_id is not None else _text
+        convert = content_parts if self.image_token_id is not None else content_text
         return [{**m, "content": convert(m["content"])} for m in messages]
 
     def ids(self, row: dict) -> list[int]:
