@@ -14,8 +14,8 @@ def build_cli(overrides: list[str], *, logger: bool = False, config: str = TINY)
 
     import torch
 
-    from yatt_lightning.cli import YattCLI
-    from yatt_lightning.logging_setup import configure_logging
+    from yatt_lightning.run.cli import YattCLI
+    from yatt_lightning.run.logging_setup import configure_logging
 
     configure_logging()
 

@@ -46,7 +46,7 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 from yatt_lightning.callbacks import AsyncCheckpoint
 
-from yatt_lightning import checkpoint as ckpt
+from yatt_lightning.checkpoint import folder as ckpt
 
 MEDIUM = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
           "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip

@@ -9,7 +9,7 @@ row carries a 1 MB payload of its own (standing in for an image), as multimodal 
   payload included, generates and scores everything; the others get their prompts, completions (token
   ids, logprobs) and rewards from it, and send it their prompts' token ids.
 
-Bytes are counted where they cross the wire, by :mod:`yatt_lightning.wire` around ``torch.distributed``
+Bytes are counted where they cross the wire, by :mod:`yatt_lightning.distributed.wire` around ``torch.distributed``
 (its docstring has the byte model): both directions, per category (rollout data, gradients, control),
 per step after one warm-up step, at rank 0.
 
@@ -36,8 +36,8 @@ from yatt_lightning.datamodules.tasks import AlphabetTask
 WARMUP = 1
 BATCH = 4  # prompts per DP rank per step
 MODES = {
-    "parallel": ["--trainer.strategy.controller", "yatt_lightning.controller.ParallelController"],
-    "single": ["--trainer.strategy.controller", "yatt_lightning.controller.SingleController",
+    "parallel": ["--trainer.strategy.controller", "yatt_lightning.rollout.controller.ParallelController"],
+    "single": ["--trainer.strategy.controller", "yatt_lightning.rollout.controller.SingleController",
                "--trainer.strategy.controller.driver_loads_rows", "true"],
 }  # fmt: skip
 CATEGORIES = ("rollout", "gradients", "control")
@@ -58,7 +58,7 @@ class PayloadTask(AlphabetTask):
 def _child(out: Path, overrides: list[str], config: str | None = None) -> None:
     """One training run of ``config`` (the tiny one by default; this process is rank 0, Lightning launches
     the others with the same arguments)."""
-    from yatt_lightning import wire
+    from yatt_lightning.distributed import wire
 
     wire.install()  # on every rank, before Megatron and vLLM are imported
     import torch

@@ -6,7 +6,7 @@ median), and its samples vary around it, so a rank that draws a long prompt hold
 as with real reasoning prompts. Steps come in pairs that train on identical lengths, one step balanced
 and one not; the order inside a pair alternates A B, B A, A B, ... (ABBA), so drifts of a shared machine
 land on both arms. Both arms cap micro-batches by tokens and pack them the same way
-(:mod:`yatt_lightning.packing`); only the partition across ranks differs. 40 measured pairs by default:
+(:mod:`yatt_lightning.training.packing`); only the partition across ranks differs. 40 measured pairs by default:
 a single pair's ratio swings by +-30% on a shared 2-core machine.
 
 What is measured is what each rank actually did: the padded tokens (samples x longest sequence of each
@@ -30,8 +30,8 @@ import sys
 import torch
 from lightning.pytorch import Callback
 
-from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.module import RLHFModule
+from yatt_lightning.rollout.batch import RolloutBatch
 
 WARMUP = 2  # steps (one pair) not measured
 

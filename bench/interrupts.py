@@ -111,7 +111,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from safetensors.torch import load_file
 
-    from yatt_lightning import checkpoint as ckpt
+    from yatt_lightning.checkpoint import folder as ckpt
 
     stopped = continued = latest_ok = resumed_ok = 0
     with tempfile.TemporaryDirectory() as tmp:

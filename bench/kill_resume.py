@@ -164,7 +164,7 @@ class Tally:
 
 def landing(ckpts: Path, step: int) -> str:
     """Where in the finalisation of ``step`` a kill landed, from the files it left."""
-    from yatt_lightning import checkpoint as ckpt
+    from yatt_lightning.checkpoint import folder as ckpt
 
     name = ckpt.checkpoint_name(step)
     tracked = ckpt.tracked(ckpts)

@@ -60,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(runs.items()):
             root = Path(tmp) / str(i)
-            cmd = [sys.executable, "-m", "yatt_lightning.cli", "fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+            cmd = [sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
                    "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(root),
                    "--trainer.callbacks", "[]", *extra]  # fmt: skip
             t0 = time.perf_counter()

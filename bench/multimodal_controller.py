@@ -10,7 +10,7 @@ the same rows: every prompt names a PNG of random noise of about 1 MB on disk (6
   generates every prompt, so it reads every rank's images; the ranks get their rows' references from it
   (never pixels) and read their own images for training.
 
-Bytes are counted at the process-group level by :mod:`yatt_lightning.wire` (every collective and
+Bytes are counted at the process-group level by :mod:`yatt_lightning.distributed.wire` (every collective and
 point-to-point call), both directions, per step after one warm-up step, at rank 0; memory is rank 0's
 peak resident set (``ru_maxrss``).
 
@@ -34,8 +34,8 @@ from controller_scaling import WARMUP, _child, measure
 BATCH = 4  # prompts per data-parallel rank per step
 VLM = str(Path(__file__).resolve().parents[1] / "configs" / "grpo_vlm_tiny.yaml")
 MODES = {
-    "parallel": ["--trainer.strategy.controller", "yatt_lightning.controller.ParallelController"],
-    "single": ["--trainer.strategy.controller", "yatt_lightning.controller.SingleController",
+    "parallel": ["--trainer.strategy.controller", "yatt_lightning.rollout.controller.ParallelController"],
+    "single": ["--trainer.strategy.controller", "yatt_lightning.rollout.controller.SingleController",
                "--trainer.strategy.controller.driver_loads_rows", "true"],
 }  # fmt: skip
 

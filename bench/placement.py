@@ -42,7 +42,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from yatt_lightning.longtail import WaitForAll
+from yatt_lightning.rollout.longtail import WaitForAll
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 1

@@ -23,7 +23,7 @@ from _common import REPO, TINY, all_reduce_max, build_cli, pop_smoke
 from lightning.pytorch import Callback
 from yatt_lightning.datamodules.images import images_of
 
-from yatt_lightning.training_batch import TrainingBatch
+from yatt_lightning.training.batch import TrainingBatch
 
 
 def rollout_consistency(module, rows: list[dict]) -> dict[str, float]:
@@ -45,7 +45,7 @@ def stale_engine_consistency(module, rows: list[dict], stale_weights: Iterable[t
     prompt_ids = [module.tokenize_prompt(r) for r in rows]
     groups = strategy.engine.generate(prompt_ids, module.sampling, module.sample_seeds(rows), images=images_of(rows))
     strategy.rollout.mark_weights_stale()
-    from yatt_lightning.batch import RolloutBatch
+    from yatt_lightning.rollout.batch import RolloutBatch
 
     n = module.sampling.n
     comps = [c for g in groups for c in g]

@@ -35,7 +35,7 @@ import torch
 from _common import REPO, build_cli, pop_smoke
 from lightning.pytorch import Callback
 
-from yatt_lightning.training_batch import TrainingBatch
+from yatt_lightning.training.batch import TrainingBatch
 
 WARMUP = 2
 SMALL = str(REPO / "configs" / "grpo_small.yaml")

@@ -3,10 +3,10 @@
 What a step waits for is the copy of the state (on CPU, a memcpy of the tensors into host buffers reused
 from save to save, then written by a thread of the training process; on GPU, Megatron's device-to-host
 copy, then Megatron-Core's asynchronous ``dist_checkpointing`` writers in a forked process) and the
-planning collectives (see :func:`yatt_lightning.checkpoint.async_calls_queue`). A
+planning collectives (see :func:`yatt_lightning.checkpoint.folder.async_calls_queue`). A
 checkpoint becomes visible (renamed from ``.tmp``, then named by the ``latest`` tracker) only after
 every rank's writers finished and the manifest of sizes and checksums is on disk; only then is
-"checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint` for the format.
+"checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint.folder` for the format.
 
 Saves happen at the safe point of a step (after the optimizer step, before the next weight push):
 every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGINT (Ctrl-C), SIGTERM or SIGUSR1
@@ -35,11 +35,11 @@ import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from yatt_lightning import checkpoint as ckpt
-from yatt_lightning.failures import RankFailure
+from yatt_lightning.checkpoint import folder as ckpt
+from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.models.cpu import megatron_cpu_context
 
-log = logging.getLogger("yatt_lightning.checkpoint")
+log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
 PREEMPTION_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 

@@ -4,12 +4,12 @@ Generation lengths are long-tailed: one data-parallel (DP) rank can draw several
 responses and the others wait for it at the gradient all-reduce. Before the training phase this
 callback gathers every DP rank's sequence lengths (one integer per sequence), splits all sequences into
 DP parts with equal counts and even token sums (Karmarkar-Karp, refined, never worse than the greedy
-split; :mod:`yatt_lightning.partition`), and moves each sequence to its part's rank point to point.
+split; :mod:`yatt_lightning.training.partition`), and moves each sequence to its part's rank point to point.
 Every rank computes the same split from the same lengths, so there is no coordinator. Only what
 training needs travels (token ids, engine logprobs, advantages, and for image rows the images'
 references, never their pixels); each owner keeps its own rollouts for rewards and logging, so nothing has
 to come back. A sequence's length counts its image tokens (the prompt ids hold them expanded). Optionally it also caps micro-batches by tokens,
-packing each rank's sequences with the least padding (:mod:`yatt_lightning.packing`); then the split is
+packing each rank's sequences with the least padding (:mod:`yatt_lightning.training.packing`); then the split is
 kept only if it lowers the slowest rank's planned cost (padded tokens plus a fixed cost per micro-batch)
 below the unbalanced one's, so the exchange is skipped where it would not pay.
 
@@ -27,11 +27,11 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from yatt_lightning.algorithms.advantage import Advantages
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.collectives import exchange_tensors
-from yatt_lightning.packing import pack_by_tokens, packed_cost
-from yatt_lightning.partition import balanced_partition
-from yatt_lightning.training_batch import TrainingBatch
+from yatt_lightning.distributed.collectives import exchange_tensors
+from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.packing import pack_by_tokens, packed_cost
+from yatt_lightning.training.partition import balanced_partition
 
 
 @dataclass(frozen=True)

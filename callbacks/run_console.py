@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from typing_extensions import override
 
-from yatt_lightning import console
+from yatt_lightning.run import console
 
 
 class RunConsole(ProgressBar):
@@ -161,7 +161,7 @@ class RunConsole(ProgressBar):
             lines.append(f"       TensorBoard: tensorboard --logdir {root}   (this run: {logger.log_dir})")
         saver = _checkpoint_dir(trainer)
         if saver is not None:
-            from yatt_lightning import checkpoint as ckpt
+            from yatt_lightning.checkpoint import folder as ckpt
 
             newest = ckpt.complete_checkpoints(saver)
             lines.append(f"       checkpoints: {saver}" + (f" (newest: {newest[0].name})" if newest else " (none yet)"))

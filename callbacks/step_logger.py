@@ -1,6 +1,6 @@
 """StepLogger: the one place a step's statistics are written (TensorBoard and the progress bar).
 
-``RLHFModule.training_step`` returns the step's :class:`~yatt_lightning.step_metrics.StepStats` (already
+``RLHFModule.training_step`` returns the step's :class:`~yatt_lightning.training.step_metrics.StepStats` (already
 reduced over ranks); this callback logs its scalars through Lightning's loggers, gives the progress bar
 its figures, and writes a few completions as a Markdown table to TensorBoard's Text tab every
 ``log_every_n_steps``. The module adds it (``configure_callbacks``), so every run has it.
@@ -15,7 +15,7 @@ from typing_extensions import override
 
 
 class StepLogger(Callback):
-    """Writes each step's :class:`~yatt_lightning.step_metrics.StepStats`."""
+    """Writes each step's :class:`~yatt_lightning.training.step_metrics.StepStats`."""
 
     def __init__(self) -> None:
         self.steps = 0  # RL steps ended (with or without an update): the step Lightning logs scalars at

@@ -9,7 +9,7 @@ torchdata's ``StatefulDataLoader``, whose position Lightning saves in checkpoint
 Under a controller that loads on a driver (``SingleController(driver_loads_rows=True)``), rank 0 alone
 reads the rows: each step it loads the global batch (every data-parallel rank's batch, the same rows in
 the same order as the shards above) and hands it to the controller, which gives each rank its share
-(:meth:`~yatt_lightning.controller.Controller.distribute_rows`); the other ranks' loaders only count steps.
+(:meth:`~yatt_lightning.rollout.controller.Controller.distribute_rows`); the other ranks' loaders only count steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from yatt_lightning.chat import chat_messages, display_prompt
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-from yatt_lightning.seeding import resolve_seed
+from yatt_lightning.distributed.seeding import resolve_seed
 
 
 class _Steps(Dataset):

@@ -24,6 +24,6 @@ echo "installing into $VENV: torch 2.13.0 (CPU build), then the locked CPU stack
 for bad in torchvision torchaudio torchcodec triton; do
   if "$VENV/bin/python" -m pip show -q "$bad" >/dev/null 2>&1; then "${PIP[@]}" uninstall -y "$bad"; fi
 done
-"$VENV/bin/python" -c "import torch, vllm, megatron.core, lightning, yatt_lightning.cli" 2>/dev/null
+"$VENV/bin/python" -c "import torch, vllm, megatron.core, lightning, yatt_lightning.run.cli" 2>/dev/null
 echo "$want" > "$STAMP"
 echo "yatt-lightning installed in $VENV"

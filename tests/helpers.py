@@ -28,7 +28,7 @@ def run(cmd: list[str], *, cwd: Path | None = None, timeout: float = 600, env: d
 
 
 def yatt(args: list[str], *, cwd: Path, timeout: float = 600, check: bool = True, env: dict | None = None):
-    return run([sys.executable, "-m", "yatt_lightning.cli", *args], cwd=cwd, timeout=timeout, check=check, env=env)
+    return run([sys.executable, "-m", "yatt_lightning.run.cli", *args], cwd=cwd, timeout=timeout, check=check, env=env)
 
 
 def run_script(name: str, *args: str, timeout: float = 600, cwd: Path | None = None) -> dict:
@@ -65,7 +65,7 @@ def yatt_in_process(args: list[str], *, cwd: Path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from yatt_lightning.cli import main
+    from yatt_lightning.run.cli import main
 
     out = io.StringIO()
     before = os.getcwd()

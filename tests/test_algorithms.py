@@ -26,7 +26,7 @@ from yatt_lightning.algorithms import (
     TruncatedIS,
     registered,
 )  # fmt: skip
-from yatt_lightning.critic import Critic
+from yatt_lightning.training.critic import Critic
 
 
 def _inputs(rewards, groups, lengths=None, **kwargs) -> AdvantageInputs:

@@ -126,7 +126,7 @@ def test_broken_model_folder(name, drop, truncate, match, tmp_path, tiny_model_p
 
 def _checkpoints(root: Path) -> Path:
     """A checkpoint folder as AsyncCheckpoint leaves it: steps 1 and 2 intact, step 3 with a truncated shard."""
-    from yatt_lightning import checkpoint as ckpt
+    from yatt_lightning.checkpoint import folder as ckpt
 
     for step in (1, 2, 3):
         folder = root / ckpt.checkpoint_name(step)

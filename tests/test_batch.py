@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from yatt_lightning.algorithms import Advantages
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.training_batch import TrainingBatch
+from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.training.batch import TrainingBatch
 
 
 def _rollouts():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import SCRIPTS, run, run_script, yatt
-from yatt_lightning import checkpoint as ckpt
+from yatt_lightning.checkpoint import folder as ckpt
 
 # ----------------------------------------------------------------------------------------- tier 1
 
@@ -277,7 +277,7 @@ def test_a_failed_step_leaves_partial_rollouts_as_they_were(tmp_path):
     """PartialRollout: a step that fails after its rollout (which finished some carried groups and started
     the new batch's) saves the carried groups as they were before the step: the same as a run that
     stopped cleanly at that step, so no finished-but-untrained group is lost on resume."""
-    partial = ["--model.long_tail", "yatt_lightning.longtail.PartialRollout",
+    partial = ["--model.long_tail", "yatt_lightning.rollout.longtail.PartialRollout",
                "--model.long_tail.max_new_tokens_per_step", "4"]  # fmt: skip
     failed, clean = tmp_path / "failed", tmp_path / "clean"
     proc = run(

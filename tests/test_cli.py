@@ -46,7 +46,7 @@ def test_cli_overrides_reach_the_config(tmp_path):
                 "--trainer.strategy.tensor_model_parallel_size",
                 "2",
                 "--trainer.strategy.controller",
-                "yatt_lightning.controller.SingleController",
+                "yatt_lightning.rollout.controller.SingleController",
             ],
             "SingleController supports data parallelism only",
         ),  # fmt: skip
@@ -108,7 +108,7 @@ def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
 
     # Lightning's ModelCheckpoint (synchronous, through the strategy) and AsyncCheckpoint (at the end)
     # write the same self-contained, verified format.
-    from yatt_lightning import checkpoint as yckpt
+    from yatt_lightning.checkpoint import folder as yckpt
 
     ckpts = sorted(log_dir.rglob("*.ckpt"))
     assert ckpts, "no checkpoint written"

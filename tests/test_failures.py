@@ -1,4 +1,4 @@
-"""yatt_lightning.failures (one way to fail together) and collectives.exchange_tensors: tier 1 on one
+"""yatt_lightning.distributed.failures (one way to fail together) and collectives.exchange_tensors: tier 1 on one
 process, tier 2 on 2 gloo processes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import spawn_gloo
-from yatt_lightning.collectives import exchange_tensors
-from yatt_lightning.failures import RankFailure, agree, fail_together
+from yatt_lightning.distributed.collectives import exchange_tensors
+from yatt_lightning.distributed.failures import RankFailure, agree, fail_together
 
 
 def test_one_process_has_nobody_to_tell():
@@ -66,7 +66,7 @@ def test_a_non_finite_loss_names_which_loss():
     import pytest
     import torch
 
-    from yatt_lightning.failures import NonFiniteLossError, check_finite
+    from yatt_lightning.distributed.failures import NonFiniteLossError, check_finite
 
     with pytest.raises(NonFiniteLossError, match=r"^the critic's value loss is NaN/inf at step 3 \(1 micro-batches\)"):
         check_finite(

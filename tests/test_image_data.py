@@ -145,7 +145,7 @@ def test_the_colour_task_can_only_be_solved_by_looking(tmp_path):
 
 
 def test_the_vision_shim_refuses_versions_it_was_not_checked_with(monkeypatch):
-    from yatt_lightning import vision_shim
+    from yatt_lightning.multimodal import vision_shim
 
     assert vision_shim.needed(), "this CPU stack has no torchvision (../shared/CPU-STACK.md)"
     monkeypatch.setitem(vision_shim.PINNED, "transformers", "0.0.1")
@@ -154,7 +154,7 @@ def test_the_vision_shim_refuses_versions_it_was_not_checked_with(monkeypatch):
 
 
 def test_collapsing_expanded_image_tokens_restores_one_per_image_also_for_adjacent_images():
-    from yatt_lightning.image_inputs import collapse
+    from yatt_lightning.multimodal.image_inputs import collapse
 
     img, per = 9, 4
     assert collapse([1, *[img] * per, 2, 3], img, per) == [1, img, 2, 3]

@@ -72,7 +72,7 @@ def _no_launcher_variables():
 def _fit(out: Path, *extra: str) -> list[str]:
     probe = [{"class_path": "cluster_probe.ClusterProbe", "init_args": {"out_dir": str(out / "probe")}}]
     return [
-        "-m", "yatt_lightning.cli", "fit", "--config", str(CONFIG), "--trainer.max_steps", "3",
+        "-m", "yatt_lightning.run.cli", "fit", "--config", str(CONFIG), "--trainer.max_steps", "3",
         "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out / "runs"),
         "--trainer.callbacks", json.dumps(probe), *extra,
     ]  # fmt: skip

@@ -18,7 +18,7 @@ def _fit(tmp_path, *overrides):
 
 
 def test_over_provisioning_trains_on_the_first_groups_to_finish(tmp_path):
-    s = _fit(tmp_path, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.longtail.OverProvision",
+    s = _fit(tmp_path, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.rollout.longtail.OverProvision",
              "--model.long_tail.extra", "1.0")  # fmt: skip
     assert [v for _, v in s["long_tail/kept_groups"]] == [8.0, 8.0]  # 16 launched, 8 kept
     assert len(s["actor/pg_loss"]) == 2
@@ -27,7 +27,7 @@ def test_over_provisioning_trains_on_the_first_groups_to_finish(tmp_path):
 def test_partial_rollout_continues_unfinished_samples_in_the_next_step(tmp_path):
     """6-token responses generated 4 tokens per step: nothing finishes in the first step (no update),
     then the first batch's groups finish in the second while the second batch's wait."""
-    s = _fit(tmp_path, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.longtail.PartialRollout",
+    s = _fit(tmp_path, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.rollout.longtail.PartialRollout",
              "--model.long_tail.max_new_tokens_per_step", "4")  # fmt: skip
     finished = [v for _, v in s["long_tail/finished_groups"]]
     assert finished and all(v > 0 for v in finished)

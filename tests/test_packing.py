@@ -1,10 +1,10 @@
-"""Tier 1: packing sequences into micro-batches under a token budget (yatt_lightning.packing)."""
+"""Tier 1: packing sequences into micro-batches under a token budget (yatt_lightning.training.packing)."""
 
 import random
 
 import pytest
 
-from yatt_lightning.packing import pack_by_tokens, packed_cost
+from yatt_lightning.training.packing import pack_by_tokens, packed_cost
 
 
 def _fill_to_budget(lengths, budget, pad=8):

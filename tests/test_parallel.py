@@ -110,7 +110,7 @@ def test_single_and_parallel_controllers_give_the_same_run(tmp_path):
     for controller in ("ParallelController", "SingleController"):
         yatt(
             ["fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--trainer.max_steps", "3",
-             "--trainer.devices", "2", "--trainer.strategy.controller", f"yatt_lightning.controller.{controller}",
+             "--trainer.devices", "2", "--trainer.strategy.controller", f"yatt_lightning.rollout.controller.{controller}",
              "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
              "--trainer.logger.init_args.save_dir", str(tmp_path / controller)],
             cwd=tmp_path, timeout=500,
@@ -129,7 +129,7 @@ def test_a_reward_error_under_the_single_controller_stops_every_rank(tmp_path):
     )
     proc = yatt(
         ["fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--trainer.max_steps", "2",
-         "--trainer.devices", "2", "--trainer.strategy.controller", "yatt_lightning.controller.SingleController",
+         "--trainer.devices", "2", "--trainer.strategy.controller", "yatt_lightning.rollout.controller.SingleController",
          "--model.reward_fn", "flaky_reward.reward", "--trainer.callbacks", "[]",
          "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
         cwd=tmp_path, timeout=300, check=False,

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from yatt_lightning.partition import balanced_partition, greedy_partition, imbalance, karmarkar_karp
+from yatt_lightning.training.partition import balanced_partition, greedy_partition, imbalance, karmarkar_karp
 
 
 def _sums(weights, parts):

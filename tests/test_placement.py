@@ -58,7 +58,7 @@ def test_full_and_partial_colocation_score_every_sample_once_and_agree(tmp_path)
 
 def test_partial_colocation_over_provisioning_scores_only_kept_groups(tmp_path):
     out = tmp_path / "op"
-    _run(out, PARTIAL, "--model.long_tail", "yatt_lightning.longtail.OverProvision", "--model.long_tail.extra", "0.6")
+    _run(out, PARTIAL, "--model.long_tail", "yatt_lightning.rollout.longtail.OverProvision", "--model.long_tail.extra", "0.6")
     kept, scored = _ids(out, "kept_rank*.jsonl"), _ids(out, "scored_rank*.jsonl")
     assert sum(kept.values()) == 3 * 2 * 5 * 8  # floor(8 / 1.6) = 5 groups kept per rank and step
     assert scored == kept

@@ -37,7 +37,7 @@ def hf_model(tiny_model_path):
 
 def _policy(path, lr=1e-3):
     from yatt_lightning.models.policy import MegatronPolicy
-    from yatt_lightning.optim import OptimizerSettings
+    from yatt_lightning.training.optim import OptimizerSettings
 
     return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=0.0))
 

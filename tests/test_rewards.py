@@ -88,7 +88,7 @@ def test_judge_and_reward_model_settings_are_checked_at_construction():
 
 
 def test_export_names_a_wrong_dtype():
-    from yatt_lightning.export import export
+    from yatt_lightning.checkpoint.export import export
 
     with pytest.raises(ValueError, match="`--dtype` must be one of float32, bfloat16, float16, got 'int8'"):
         export("nowhere", "out", dtype="int8")
@@ -99,8 +99,8 @@ def test_per_token_rewards_are_weighted_and_checked():
     one value too few names the function and the sample."""
     import torch
 
-    from yatt_lightning.batch import RolloutBatch
     from yatt_lightning.rewards.base import TokenRewardFunction
+    from yatt_lightning.rollout.batch import RolloutBatch
     from yatt_lightning.rollout.service import combine
 
     class PerToken(TokenRewardFunction):

@@ -6,8 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.longtail import OverProvision, PartialRollout
 from yatt_lightning.placement import FullColocation, PartialColocation
 from yatt_lightning.rewards import (
     GenerativeRewardModel,
@@ -17,7 +15,9 @@ from yatt_lightning.rewards import (
     RewardError,
     RewardFunction,
 )
-from yatt_lightning.sampling import DynamicSampling
+from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.rollout.dynamic_sampling import DynamicSampling
+from yatt_lightning.rollout.longtail import OverProvision, PartialRollout
 
 
 def _batch(rewards_per_group: list[list[float]], tag: str = "") -> RolloutBatch:

@@ -59,7 +59,7 @@ def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_
     )
     saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
               "init_args": {"every_n_steps": 1000, "dirpath": str(tmp_path / "ckpts")}}]  # fmt: skip
-    run([sys.executable, "-m", "yatt_lightning.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
          "--model.policy.path", str(folder), "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path / "run"),
          "--model.reward_fn", "first_letter.score", "--trainer.callbacks", json.dumps(saver)], cwd=tmp_path,
         timeout=400)  # fmt: skip

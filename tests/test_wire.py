@@ -1,4 +1,4 @@
-"""yatt_lightning.wire: the byte model (tier 1, pure) and the counter on 2 gloo processes (tier 2)."""
+"""yatt_lightning.distributed.wire: the byte model (tier 1, pure) and the counter on 2 gloo processes (tier 2)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import spawn_gloo
-from yatt_lightning import wire
+from yatt_lightning.distributed import wire
 
 
 def _f32(n: int) -> torch.Tensor:

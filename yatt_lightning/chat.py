@@ -1,6 +1,6 @@
 """How a row becomes the policy's prompt ids: chat templates, system prompts, rows that are chat messages.
 
-One place, used by the checks before start (:mod:`yatt_lightning.preflight`), the RL step
+One place, used by the checks before start (:mod:`yatt_lightning.run.preflight`), the RL step
 (:meth:`~yatt_lightning.module.RLHFModule.tokenize_prompt`) and the LLM judge, so that what was checked is
 what runs. The engine receives these ids as they are (it does not tokenize again) and checks that it
 saw them (:mod:`yatt_lightning.rollout.vllm_engine`).

@@ -18,19 +18,16 @@ import torch
 from jsonargparse import lazy_instance
 from typing_extensions import override
 
-from yatt_lightning import wire
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
 from yatt_lightning.algorithms.advantage import AdvantageInputs, Advantages
 from yatt_lightning.algorithms.aggregation import LossAggregation, TokenMean
 from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
 from yatt_lightning.algorithms.overlong import RewardShaping
-from yatt_lightning.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
-from yatt_lightning.critic import CRITIC_METRICS, Critic, sample_values
-from yatt_lightning.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
-from yatt_lightning.image_inputs import ImageInputs
-from yatt_lightning.longtail import LongTailPolicy, WaitForAll
+from yatt_lightning.distributed import wire
+from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
+from yatt_lightning.distributed.seeding import resolve_seed, sampling_seed
 from yatt_lightning.models.logprobs import (
     max_abs_difference,
     sample_logprobs,
@@ -39,15 +36,18 @@ from yatt_lightning.models.logprobs import (
     token_logprobs,
 )  # fmt: skip
 from yatt_lightning.models.spec import ModelSpec
-from yatt_lightning.optim import OptimizerSettings
-from yatt_lightning.optimizer_adapter import MegatronOptimizerAdapter
+from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
 from yatt_lightning.rollout.base import SamplingConfig
+from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
+from yatt_lightning.rollout.dynamic_sampling import DynamicSampling
+from yatt_lightning.rollout.longtail import LongTailPolicy, WaitForAll
 from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSetup, Scores
-from yatt_lightning.sampling import DynamicSampling
-from yatt_lightning.seeding import resolve_seed, sampling_seed
-from yatt_lightning.step_metrics import reduce_token_metrics, step_stats
-from yatt_lightning.training_batch import TrainingBatch
+from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.critic import CRITIC_METRICS, Critic, sample_values
+from yatt_lightning.training.optim import OptimizerSettings
+from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
+from yatt_lightning.training.step_metrics import reduce_token_metrics, step_stats
 
 # Per-token quantities summed in the loss function and averaged over tokens for logging (the algorithm's
 # parts may add their own, named with a "/": see ``RLHFModule.token_metrics``).
@@ -91,7 +91,7 @@ class RLHFModule(pl.LightningModule):
         dynamic_sampling: Drop groups whose rewards are all equal and generate more rounds until enough
             groups remain (DAPO); ``None`` trains on every group.
         long_tail: How long responses are handled: wait for all (default), over-provision, or partial
-            rollout (see :mod:`yatt_lightning.longtail`, including the bias each introduces).
+            rollout (see :mod:`yatt_lightning.rollout.longtail`, including the bias each introduces).
         seed: Seed of sampling and of mini-batch shuffling; ``None`` follows ``seed_everything``.
     """
 

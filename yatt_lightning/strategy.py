@@ -21,11 +21,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from yatt_lightning import failures
-from yatt_lightning.controller import Controller, ParallelController
+from yatt_lightning.distributed import failures
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
 from yatt_lightning.rollout.base import RolloutEngine
+from yatt_lightning.rollout.controller import Controller, ParallelController
 from yatt_lightning.rollout.service import EngineSpec, RolloutService
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ class MegatronStrategy(DDPStrategy):
         engine: The rollout engine (default: :class:`~yatt_lightning.rollout.VLLMEngine`). One engine
             serves each model-parallel group, split across its TP x PP ranks by the engine's own
             tensor parallelism.
-        controller: Who moves rollout data (default :class:`~yatt_lightning.controller.ParallelController`;
-            :class:`~yatt_lightning.controller.SingleController` routes everything through rank 0).
+        controller: Who moves rollout data (default :class:`~yatt_lightning.rollout.controller.ParallelController`;
+            :class:`~yatt_lightning.rollout.controller.SingleController` routes everything through rank 0).
         placement: Where the rollout engine and a generative reward model run
             (:class:`~yatt_lightning.placement.FullColocation` by default, or ``PartialColocation``).
         offload_params: While the engine generates on a GPU, also move the policy's parameters to host
@@ -223,7 +223,7 @@ class MegatronStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Synchronous save (Lightning's ``trainer.save_checkpoint`` / ``ModelCheckpoint``): a complete folder
         or none. :class:`~yatt_lightning.callbacks.AsyncCheckpoint` writes the same format in the background."""
-        from yatt_lightning import checkpoint as ckpt
+        from yatt_lightning.checkpoint import folder as ckpt
 
         ckpt.begin(self, checkpoint, Path(filepath), asynchronous=False)
         ckpt.finalize(self, Path(filepath))
@@ -231,7 +231,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint folder, or the newest intact one when given a ``latest`` tracker file."""
-        from yatt_lightning import checkpoint as ckpt
+        from yatt_lightning.checkpoint import folder as ckpt
 
         folder = ckpt.resolve(self, Path(checkpoint_path))
         if self.is_global_zero:
@@ -242,7 +242,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        from yatt_lightning import checkpoint as ckpt
+        from yatt_lightning.checkpoint import folder as ckpt
 
         ckpt.load_policy(self, checkpoint)
         self.rollout.mark_weights_stale()
@@ -253,7 +253,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath) -> None:
-        from yatt_lightning import checkpoint as ckpt
+        from yatt_lightning.checkpoint import folder as ckpt
 
         if self.is_global_zero:
             ckpt.remove(filepath)

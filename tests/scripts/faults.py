@@ -157,9 +157,9 @@ class Recorder(Callback):
 
 
 def main() -> None:
-    from yatt_lightning import checkpoint as ckpt
-    from yatt_lightning.cli import YattCLI
-    from yatt_lightning.logging_setup import configure_logging
+    from yatt_lightning.checkpoint import folder as ckpt
+    from yatt_lightning.run.cli import YattCLI
+    from yatt_lightning.run.logging_setup import configure_logging
 
     args = sys.argv[1:]  # Lightning re-runs this command line for the other ranks: leave sys.argv as it is
     out = Path(args.pop(0))

@@ -41,8 +41,8 @@ class Kept(Callback):
 def main() -> None:
     import yaml
 
-    from yatt_lightning.cli import YattCLI
-    from yatt_lightning.logging_setup import configure_logging
+    from yatt_lightning.run.cli import YattCLI
+    from yatt_lightning.run.logging_setup import configure_logging
 
     OUT.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load(Path(sys.argv[2]).read_text())

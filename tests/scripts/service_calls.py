@@ -65,9 +65,9 @@ def _shutdown(strategy) -> None:
 
 
 def _request(tokenizer, rows, *, step: int = 0, n: int = 4, max_new_tokens: int = 6):
+    from yatt_lightning.distributed.seeding import sampling_seed
     from yatt_lightning.rollout.base import SamplingConfig
     from yatt_lightning.rollout.service import RolloutRequest
-    from yatt_lightning.seeding import sampling_seed
 
     return RolloutRequest(
         rows=rows, prompt_ids=[tokenizer(r["prompt"])["input_ids"] for r in rows],
@@ -95,8 +95,8 @@ def _layout(batch) -> dict:
 
 def mode_one(rank: int, port: int, queue) -> None:
     """Long-tail policies and full colocation through the service, on one process."""
-    from yatt_lightning.longtail import OverProvision, PartialRollout, WaitForAll
     from yatt_lightning.rewards import RuleReward
+    from yatt_lightning.rollout.longtail import OverProvision, PartialRollout, WaitForAll
 
     strategy = _strategy(rank, 1, port)
     rule = RuleReward(ALPHABET, name="alphabet")
@@ -136,9 +136,9 @@ def mode_one(rank: int, port: int, queue) -> None:
 
 def mode_dp2(rank: int, port: int, queue) -> None:
     """The parallel and the single controller, each asked for the same request on two ranks."""
-    from yatt_lightning.controller import ParallelController, SingleController
-    from yatt_lightning.longtail import WaitForAll
     from yatt_lightning.rewards import RuleReward
+    from yatt_lightning.rollout.controller import ParallelController, SingleController
+    from yatt_lightning.rollout.longtail import WaitForAll
     from yatt_lightning.rollout.service import combine
 
     strategy = _strategy(rank, 2, port)
@@ -161,9 +161,9 @@ def mode_dp2(rank: int, port: int, queue) -> None:
 
 def mode_partial(rank: int, port: int, queue) -> None:
     """Partial colocation: rank 0 generates for both ranks, rank 1 judges while it does."""
-    from yatt_lightning.longtail import WaitForAll
     from yatt_lightning.placement import PartialColocation
     from yatt_lightning.rewards import GenerativeRewardModel, NumberParser, RuleReward
+    from yatt_lightning.rollout.longtail import WaitForAll
 
     strategy = _strategy(rank, 2, port, placement=PartialColocation())
     rule = RuleReward(ALPHABET, name="alphabet")

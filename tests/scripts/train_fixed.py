@@ -17,8 +17,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
-from yatt_lightning.batch import RolloutBatch  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402
+from yatt_lightning.rollout.batch import RolloutBatch  # noqa: E402
 
 
 class FixedRollouts(RLHFModule):
@@ -58,7 +58,7 @@ class ExportAtEnd(Callback):
 
 
 def main() -> None:
-    from yatt_lightning.cli import YattCLI
+    from yatt_lightning.run.cli import YattCLI
 
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ def fit(family: str, folder: Path, steps: int, root: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.helpers import read_scalars
-    from yatt_lightning.cli import YattCLI
-    from yatt_lightning.export import export
+    from yatt_lightning.checkpoint.export import export
+    from yatt_lightning.run.cli import YattCLI
 
     saver = {"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
              "init_args": {"every_n_steps": 100000, "dirpath": str(root / "ckpts")}}  # fmt: skip (saves at the end)

@@ -53,7 +53,7 @@ def per_sample_forward(
     """``per_token(mb, output) -> [b, s-1]`` of ``model``'s forward output on each micro-batch, cut into
     per-sample 1-D tensors over the completion tokens, in sample order; ``None`` on pipeline stages other
     than the last (only the last stage sees the output)."""
-    from yatt_lightning.training_batch import TrainingBatch
+    from yatt_lightning.training.batch import TrainingBatch
 
     def collect(mb: dict, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         values = TrainingBatch.unpack_per_token(mb, per_token(mb, output))

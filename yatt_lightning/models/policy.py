@@ -20,7 +20,7 @@ import torch
 from yatt_lightning.models import convert, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
-from yatt_lightning.optim import OptimizerSettings
+from yatt_lightning.training.optim import OptimizerSettings
 
 
 class MegatronPolicy(torch.nn.Module):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from yatt_lightning import collectives, wire
+from yatt_lightning.distributed import collectives, wire
 from yatt_lightning.placement.base import Placement
 from yatt_lightning.placement.stream import JudgeWork
 
@@ -88,7 +88,7 @@ class PartialColocation(Placement):
 
     # -- a step
     def start_engines(self, service: RolloutService) -> None:
-        from yatt_lightning.longtail import PartialRollout
+        from yatt_lightning.rollout.longtail import PartialRollout
 
         strategy, setup = service.strategy, service.setup
         self.check(strategy)

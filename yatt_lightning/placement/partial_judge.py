@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from yatt_lightning.failures import RankFailure
+from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.placement import stream
 from yatt_lightning.rewards.base import RewardError, RewardOutput
 from yatt_lightning.rewards.genrm import GenerativeRewardModel

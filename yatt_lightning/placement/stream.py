@@ -1,9 +1,9 @@
-"""The messages of partial colocation's rollout/judge stream, typed, over :mod:`yatt_lightning.collectives`.
+"""The messages of partial colocation's rollout/judge stream, typed, over :mod:`yatt_lightning.distributed.collectives`.
 
 A judge rank sends its rollout rank :class:`JudgeWork` (its prompts) at the start of a step; the rollout
 rank streams a :class:`FinishedGroup` per group as it finishes, then :class:`EndOfStream`; the judge answers
 with :class:`JudgedScores`. Either side that fails sends :class:`StreamFailure` instead, and the other
-side raises :class:`~yatt_lightning.failures.RankFailure` naming it, then both agree (the strategy's end of
+side raises :class:`~yatt_lightning.distributed.failures.RankFailure` naming it, then both agree (the strategy's end of
 the reward phase).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from yatt_lightning import collectives, wire
-from yatt_lightning.failures import RankFailure
+from yatt_lightning.distributed import collectives, wire
+from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.rollout.base import Completion
 
 
@@ -95,7 +95,7 @@ def checked(message) -> Any:
 
 def tell_failure(error: BaseException, me: int, dst: int, group) -> None:
     """Tell ``dst`` that this side failed with ``error`` (it waits for the stream)."""
-    from yatt_lightning.failures import describe
+    from yatt_lightning.distributed.failures import describe
 
     origin = error.origin if isinstance(error, RankFailure) else me
     for request in send(StreamFailure(origin, describe(error)), dst, group):

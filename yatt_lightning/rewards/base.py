@@ -70,7 +70,7 @@ class RewardFunction:
         raise NotImplementedError
 
     def rollout_scores(self, batch) -> RewardOutput:
-        """The scores of a rollout batch (:class:`~yatt_lightning.batch.RolloutBatch`)."""
+        """The scores of a rollout batch (:class:`~yatt_lightning.rollout.batch.RolloutBatch`)."""
         return self(batch.prompts, batch.completions, batch.rows)
 
     def metric_names(self) -> list[str]:

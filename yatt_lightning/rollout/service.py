@@ -5,7 +5,7 @@ for completions and :meth:`RolloutService.score` for rewards. Behind it, the lon
 how a request is generated, the placement where engines run, the controller who moves the data. Values
 flow down: the module hands the service a :class:`RolloutSetup` once (its policy, tokenizer, reward
 functions, long-tail policy, engine settings) and a :class:`RolloutRequest` per rollout; typed values come
-back (:class:`~yatt_lightning.batch.RolloutBatch`, :class:`Scores`). Nothing behind the service calls
+back (:class:`~yatt_lightning.rollout.batch.RolloutBatch`, :class:`Scores`). Nothing behind the service calls
 back into the module.
 """
 
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from yatt_lightning.batch import RolloutBatch
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, TokenRewardFunction
 from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from yatt_lightning.rollout.batch import RolloutBatch
 
 if TYPE_CHECKING:
-    from yatt_lightning.longtail import LongTailPolicy
+    from yatt_lightning.rollout.longtail import LongTailPolicy
 
 
 @dataclass(frozen=True)

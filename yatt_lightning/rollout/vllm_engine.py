@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.image_inputs import collapse, expand
+from yatt_lightning.multimodal.image_inputs import collapse, expand
 from yatt_lightning.rollout.base import Completion, SamplingConfig
 from yatt_lightning.rollout.vllm_models import engine_overrides
 
@@ -113,8 +113,8 @@ class VLLMEngine:
         hf_config = AutoConfig.from_pretrained(model_path)
         self.multimodal = hasattr(hf_config, "vision_config")
         if self.multimodal:
-            from yatt_lightning import vision_shim
-            from yatt_lightning.image_inputs import tokens_per_image
+            from yatt_lightning.multimodal import vision_shim
+            from yatt_lightning.multimodal.image_inputs import tokens_per_image
 
             self.image_token_id = hf_config.image_token_index
             self.image_tokens = tokens_per_image(hf_config)

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.distributed.seeding import sampling_seed
 from yatt_lightning.rollout.base import Completion
+from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.service import RolloutRequest
-from yatt_lightning.seeding import sampling_seed
 
 if TYPE_CHECKING:
     from yatt_lightning.rollout.service import RolloutService

@@ -18,7 +18,7 @@ class RolloutBatch:
     A batch is a value: scoring gives a new one (:meth:`scored`) and nothing assigns its fields.
     ``rewards`` is set once the batch is scored; ``metrics`` holds how it was generated (the long-tail
     policy's figures), logged with the step's. What the update adds (advantages, old and reference
-    logprobs) lives in :class:`~yatt_lightning.training_batch.TrainingBatch`.
+    logprobs) lives in :class:`~yatt_lightning.training.batch.TrainingBatch`.
     """
 
     prompts: list[str]

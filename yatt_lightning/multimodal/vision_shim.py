@@ -65,7 +65,7 @@ def install() -> bool:
         found = importlib.metadata.version(name)
         if found != version:
             raise RuntimeError(
-                f"yatt_lightning.vision_shim was checked with {name}=={version}, found {found}; check that "
+                f"yatt_lightning.multimodal.vision_shim was checked with {name}=={version}, found {found}; check that "
                 f"{', '.join(ALIASES)} still have PIL twins, then update PINNED."
             )
     if not any(isinstance(f, _PilTwins) for f in sys.meta_path):

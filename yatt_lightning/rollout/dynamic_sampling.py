@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.rollout.batch import RolloutBatch
 
 
 @dataclass(frozen=True)

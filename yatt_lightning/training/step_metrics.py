@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt_lightning.batch import RolloutBatch
+from yatt_lightning.rollout.batch import RolloutBatch
 
 
 @dataclass(frozen=True)

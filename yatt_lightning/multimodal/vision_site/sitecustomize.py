@@ -1,5 +1,5 @@
 """Installs yatt_lightning's image-processor shim in subprocesses (vLLM's model inspection); see vision_shim."""
 
-from yatt_lightning import vision_shim
+from yatt_lightning.multimodal import vision_shim
 
 vision_shim.install()

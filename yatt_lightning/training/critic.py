@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from yatt_lightning import wire
-from yatt_lightning.failures import check_finite
+from yatt_lightning.distributed import wire
+from yatt_lightning.distributed.failures import check_finite
 from yatt_lightning.models.logprobs import per_sample_forward
 from yatt_lightning.models.spec import ModelSpec
-from yatt_lightning.optim import OptimizerSettings
+from yatt_lightning.training.optim import OptimizerSettings
 
 # The critic's per-token figures of a step, averaged over its tokens for logging.
 CRITIC_METRICS = ("critic/value_loss", "critic/clip_fraction", "critic/value_mean")

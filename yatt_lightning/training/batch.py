@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from yatt_lightning.algorithms.advantage import Advantages
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.packing import pack_by_tokens
+from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.training.packing import pack_by_tokens
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class TrainingBatch:
         self, indices: list[int], token_budget: int, overhead_tokens: int = 256, pad_to_multiple: int = 8
     ) -> list[list[int]]:
         """Group ``indices`` into micro-batches whose padded size (samples x longest) fits ``token_budget``,
-        with the least padding plus ``overhead_tokens`` per micro-batch (:func:`~yatt_lightning.packing.pack_by_tokens`)."""
+        with the least padding plus ``overhead_tokens`` per micro-batch (:func:`~yatt_lightning.training.packing.pack_by_tokens`)."""
         lengths = self.rollouts.sequence_lengths()
         plan = pack_by_tokens([lengths[i] for i in indices], token_budget, overhead_tokens, pad_to_multiple)
         return [[indices[j] for j in mb] for mb in plan]

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from yatt_lightning import failures
-from yatt_lightning.checkpoint_verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
-from yatt_lightning.checkpoint_writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
+from yatt_lightning.checkpoint.verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
+from yatt_lightning.checkpoint.writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
+from yatt_lightning.distributed import failures
 from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
 log = logging.getLogger(__name__)

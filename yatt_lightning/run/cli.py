@@ -33,10 +33,10 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-from yatt_lightning import console, errors  # noqa: E402
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
-from yatt_lightning.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402
+from yatt_lightning.run import console, errors  # noqa: E402
+from yatt_lightning.run.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
 
 
@@ -107,7 +107,7 @@ class YattCLI(LightningCLI):
     def before_fit(self) -> None:
         """``--ckpt_path last``: the ``latest`` tracker of the AsyncCheckpoint folder; the strategy loads the
         newest intact checkpoint it can find from there (and says so if it had to skip one)."""
-        from yatt_lightning import checkpoint as ckpt
+        from yatt_lightning.checkpoint import folder as ckpt
 
         config = self.config_init[self.subcommand]
         path = config.get("ckpt_path")
@@ -144,7 +144,7 @@ class YattCLI(LightningCLI):
                 "`trainer.strategy` must be yatt_lightning.strategy.MegatronStrategy (or a subclass), got "
                 f"{type(self.trainer.strategy).__name__}."
             )
-        from yatt_lightning.preflight import check_run
+        from yatt_lightning.run.preflight import check_run
 
         check_run(self.model, self.datamodule, self.trainer)
 
@@ -196,7 +196,7 @@ def main(args: list[str] | None = None) -> None:
     configure_logging()
     try:
         if argv[:1] == ["export"]:
-            from yatt_lightning.export import main as export_main
+            from yatt_lightning.checkpoint.export import main as export_main
 
             export_main(argv[1:])  # its failures are about its arguments or the checkpoint: exit code 2
             return

@@ -14,7 +14,7 @@ the ranks that loaded them, or loaded by the driver itself (``driver_loads_rows`
 would; the other ranks then get only their prompts from it). It exists to measure what that costs
 (``bench/controller_scaling.py``).
 
-Their transfers are tagged ``"rollout"`` for :mod:`yatt_lightning.wire`, which counts bytes where they
+Their transfers are tagged ``"rollout"`` for :mod:`yatt_lightning.distributed.wire`, which counts bytes where they
 cross the wire.
 """
 
@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 import torch
 
-from yatt_lightning import wire
-from yatt_lightning.batch import RolloutBatch
-from yatt_lightning.collectives import gather_objects, scatter_objects
 from yatt_lightning.datamodules.images import images_of
-from yatt_lightning.failures import fail_together
+from yatt_lightning.distributed import wire
+from yatt_lightning.distributed.collectives import gather_objects, scatter_objects
+from yatt_lightning.distributed.failures import fail_together
 from yatt_lightning.rollout.base import Completion
+from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.service import RolloutRequest, RolloutService, Scores
 
 ScoreFn = Callable[[RolloutBatch], Scores]

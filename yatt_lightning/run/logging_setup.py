@@ -43,7 +43,7 @@ def quiet_third_party() -> None:
         logging.getLogger(name).addFilter(
             _DropMessages("GPU available: False", "TPU available", "HPU available", "LOCAL_RANK")
         )
-    from yatt_lightning import console
+    from yatt_lightning.run import console
 
     if console.verbose():
         return

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from yatt_lightning import checkpoint as ckpt
+from yatt_lightning.checkpoint import folder as ckpt
 from yatt_lightning.models import convert, vlm
 from yatt_lightning.models.gpt import HFArch
 

@@ -22,7 +22,7 @@ import torch
 
 from yatt_lightning.models.cpu import cpu_mode
 
-log = logging.getLogger("yatt_lightning.checkpoint")
+log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
 
 def async_calls_queue() -> Any:

@@ -37,7 +37,7 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
 
 
-_OURS = tuple(str(Path(__file__).resolve().parent / d) for d in ("", "callbacks", "datamodules"))
+_OURS = tuple(str(Path(__file__).resolve().parent.parent / d) for d in ("", "callbacks", "datamodules"))
 
 
 def chain(err: BaseException) -> list[BaseException]:
@@ -64,7 +64,7 @@ def raised_by_us(err: BaseException) -> bool:
 def root_cause(err: BaseException) -> BaseException:
     """The outermost exception raised by yatt-lightning in ``err``'s chain (the one written for the user:
     ``raise ValueError("`key` ...") from err``), or the innermost one when none is ours."""
-    from yatt_lightning.failures import RankFailure
+    from yatt_lightning.distributed.failures import RankFailure
 
     errors = chain(err)
     # An agreed failure chained to this rank's own error shows that error; elsewhere it names the origin.

@@ -1,0 +1,2 @@
+"""Checkpoints: the sharded folder format (``folder``), the background writer, verification, and export
+to a Hugging Face folder."""

@@ -1,0 +1,1 @@
+"""The distributed plumbing: object collectives, bytes on the wire, failing together, seeding."""
