@@ -92,7 +92,7 @@ class Alternate(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step - 1  # the step that just ended
-        mine = torch.tensor([float(module.padded_tokens), module.phase_times["train"]], dtype=torch.float64)
+        mine = torch.tensor([float(module.padded_tokens), outputs["stats"].scalars["time/train"]], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(trainer.world_size)]
         torch.distributed.all_gather(every, mine)
         if step >= WARMUP and trainer.is_global_zero:

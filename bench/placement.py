@@ -33,6 +33,7 @@ target at most 0.85.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -43,6 +44,7 @@ import zlib
 from pathlib import Path
 
 from yatt_lightning.rollout.longtail import WaitForAll
+from yatt_lightning.rollout.types import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 1
@@ -54,14 +56,14 @@ class LognormalLengths(WaitForAll):
     def __init__(self, median: float = 16, sigma: float = 1.0, cap: int = 160) -> None:
         self.median, self.sigma, self.cap = median, sigma, cap
 
-    def stream(self, engine, prompts, sampling, seeds, keep, max_new_tokens=None, images=None):
+    def plan(self, request, run_seed):
         budgets = []
-        for seed in seeds:
+        for seed in request.seeds:
             u1 = (zlib.crc32(f"a{seed}".encode()) % 10**6 + 0.5) / 10**6
             u2 = (zlib.crc32(f"b{seed}".encode()) % 10**6 + 0.5) / 10**6
             z = math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
             budgets.append(int(min(self.cap, max(2, self.median * math.exp(self.sigma * z)))))
-        yield from super().stream(engine, prompts, sampling, seeds, keep, max_new_tokens=budgets, images=images)
+        return Plan(dataclasses.replace(request, max_new_tokens=budgets), self.keep_count(len(request.prompt_ids)))
 
 
 def _child(out: Path, config: str) -> None:
@@ -74,11 +76,11 @@ def _child(out: Path, config: str) -> None:
             self.rows = []
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            t = module.phase_times
+            scalars = outputs["stats"].scalars
+            t = {k: scalars[f"time/{k}"] for k in ("rollout", "sync", "reward")}
             phase = t["rollout"] + t["sync"] + t["reward"]
-            mine = torch.tensor(
-                [phase, trainer.strategy.placement.idle, t["rollout"], t["sync"], t["reward"]], dtype=torch.float64
-            )
+            idle = scalars[f"idle/rank{trainer.global_rank}"]
+            mine = torch.tensor([phase, idle, t["rollout"], t["sync"], t["reward"]], dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(trainer.world_size)]
             torch.distributed.all_gather(every, mine)
             if batch_idx >= WARMUP:

@@ -38,7 +38,7 @@ class PhaseRecorder(Callback):
         if batch_idx < WARMUP:
             return
         for key in PHASES:
-            self.totals[key] += module.phase_times[key]
+            self.totals[key] += outputs["stats"].scalars[f"time/{key}"]
         self.totals["step"] += time.perf_counter() - self.started  # Lightning's own work counts as "other"
         self.steps += 1
 

@@ -87,7 +87,7 @@ class StepEfficiency(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         step_s = time.perf_counter() - self.started
-        times = module.phase_times
+        times = {k: outputs["stats"].scalars[f"time/{k}"] for k in ("rollout", "sync", "train")}
         row = {
             "step": step_s, "rollout": times["rollout"], "sync": times["sync"], "train": times["train"],
             "generation": self.generation.total, "compute": self.compute.total,

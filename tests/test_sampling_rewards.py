@@ -1,7 +1,6 @@
 """Tier 1: dynamic sampling, long-tail policies, reward error policies and judge parsers."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,33 +157,32 @@ def test_reward_model_scores_with_its_value_head(tmp_path, tiny_model_path):
     assert out.scores == pytest.approx(expected, abs=1e-5)
 
 
-def _layout(world: int, tp: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-
-
 def test_partial_colocation_roles_and_judge_batch():
     placement = PartialColocation()
-    placement.check(_layout(4))
-    assert (placement.rollout, placement.judge) == ([0, 1], [2, 3])
-    assert [placement.partner_rollout(r) for r in (2, 3)] == [0, 1]
+    placement.check(4, 1, 1)
+    pairing = placement.pairing
+    assert (pairing.rollout, pairing.judge) == ([0, 1], [2, 3])
+    assert [pairing.partner_rollout(r) for r in (2, 3)] == [0, 1]
     # 8 prompts x 4 samples per rank: judge 2 receives its own 32 samples and rank 0's 32; a quarter is 16.
-    assert placement.judge_batch(2, n_prompts=8, n_samples=4) == 16
+    assert pairing.judge_batch(2, n_prompts=8, n_samples=4) == 16
     uneven = PartialColocation(rollout_ranks=[0])
-    uneven.check(_layout(3))
-    assert uneven.partner_judges(0) == [1, 2]
-    assert uneven.judge_batch(1, n_prompts=8, n_samples=4) == 12  # (8 x 4 x 3 samples) / 2 judges / 4
+    uneven.check(3, 1, 1)
+    assert uneven.pairing.partner_judges(0) == [1, 2]
+    assert uneven.pairing.judge_batch(1, n_prompts=8, n_samples=4) == 12  # (8 x 4 x 3 samples) / 2 judges / 4
     # A judge rank's own groups go to it; rank 0's own groups alternate between its judges.
     turns = iter([1, 2, 1, 2])
-    assert [uneven.judge_for(owner, turns) for owner in (2, 0, 1, 0, 2, 0)] == [2, 1, 1, 2, 2, 1]
-    assert PartialColocation(min_judge_batch=5).judge_batch(1, 8, 4) == 5
+    assert [uneven.pairing.judge_for(owner, turns) for owner in (2, 0, 1, 0, 2, 0)] == [2, 1, 1, 2, 2, 1]
+    five = PartialColocation(min_judge_batch=5)
+    five.check(2, 1, 1)
+    assert five.pairing.judge_batch(1, 8, 4) == 5
     with pytest.raises(ValueError, match="min_judge_batch"):
         PartialColocation(min_judge_batch=0)
     with pytest.raises(ValueError, match="rollout_ranks"):
-        PartialColocation(rollout_ranks=[0, 1]).check(_layout(2))
+        PartialColocation(rollout_ranks=[0, 1]).check(2, 1, 1)
     with pytest.raises(ValueError, match="needs a judge rank of its own"):  # rank 1 would have no judge
-        PartialColocation(rollout_ranks=[0, 1]).check(_layout(3))
+        PartialColocation(rollout_ranks=[0, 1]).check(3, 1, 1)
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
-        PartialColocation().check(_layout(2, tp=2))
+        PartialColocation().check(2, 2, 1)
 
 
 class _RecordingEngine:

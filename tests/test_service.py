@@ -66,4 +66,4 @@ def test_partial_colocation_judges_every_sample_while_generating():
         _prompt_order(r, 4)
         assert r["judged"] == ["judge"] and r["judged_count"] == 4 * N
         assert r["total"] == pytest.approx(r["expected"], abs=1e-6), "score() must use what was judged"
-        assert r["consumed"], "what was judged belongs to one step's score()"
+        assert r["idle_measured"], "the placement's figures come back in the batch"

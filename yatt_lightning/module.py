@@ -11,7 +11,6 @@ RLOO, REINFORCE++, GAE with a critic (PPO), DAPO's clip-higher and overlong shap
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import lightning.pytorch as pl
 import torch
@@ -25,16 +24,8 @@ from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
 from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
-from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.distributed.seeding import resolve_seed, sampling_seed
-from yatt_lightning.models.logprobs import (
-    max_abs_difference,
-    sample_logprobs,
-    share_with_pipeline,
-    token_entropy,
-    token_logprobs,
-)  # fmt: skip
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
@@ -42,19 +33,19 @@ from yatt_lightning.rollout.base import SamplingConfig
 from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.rollout.dynamic_sampling import DynamicSampling
 from yatt_lightning.rollout.longtail import LongTailPolicy, WaitForAll
-from yatt_lightning.rollout.service import EngineSpec, RolloutRequest, RolloutSetup, Scores
-from yatt_lightning.training.batch import TrainingBatch
-from yatt_lightning.training.critic import CRITIC_METRICS, Critic, sample_values
+from yatt_lightning.rollout.types import EngineSpec, RolloutRequest, RolloutSetup, Scores
+from yatt_lightning.training.critic import Critic
 from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
-from yatt_lightning.training.step_metrics import reduce_token_metrics, step_stats
+from yatt_lightning.training.step_metrics import StepContext, step_stats
+from yatt_lightning.training.update import PolicyUpdate
 
 # Per-token quantities summed in the loss function and averaged over tokens for logging (the algorithm's
 # parts may add their own, named with a "/": see ``RLHFModule.token_metrics``).
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
-class RLHFModule(pl.LightningModule):
+class RLHFModule(PolicyUpdate, pl.LightningModule):
     """GRPO-style RL post-training of a Megatron-Core policy.
 
     Args:
@@ -190,8 +181,6 @@ class RLHFModule(pl.LightningModule):
         self.images: ImageInputs | None = None  # a vision-language policy's image tokens and pixels
         self.balancer = None  # set by callbacks.DPLoadBalancer
         self.partial_update = False  # True between the first and last optimizer step of an RL step
-        self.phase_times: dict[str, float] = {}
-        self.reward_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ building
     @override
@@ -262,7 +251,7 @@ class RLHFModule(pl.LightningModule):
     def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
         t0 = time.perf_counter()
-        error, rollouts, t1 = None, None, t0
+        error, rollouts, scores, t1 = None, None, None, t0
         try:
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
@@ -274,11 +263,19 @@ class RLHFModule(pl.LightningModule):
             if isinstance(err, RankFailure) and err.agreed:
                 raise  # already collective: every rank raises it at the same point
             error = err
-        strategy.finish_scoring(error)
+        waited = strategy.finish_scoring(error)
         t2 = time.perf_counter()
         if len(rollouts) == 0:
             self.commit_step_state()
             return None
+        return self.train_on(rollouts, scores, waited, (t0, t1, t2))
+
+    def train_on(self, rollouts: RolloutBatch, scores: Scores, waited: float, marks: tuple) -> dict:
+        """Advantage and update on the scored ``rollouts`` (after dynamic sampling), and the step's figures:
+        ``waited``: this rank's seconds at the end of scoring; ``marks``: the step's start, the end of the
+        rollout and the end of scoring (``time.perf_counter``)."""
+        strategy = self.trainer.strategy
+        t0, t1, t2 = marks
         figures = dict(rollouts.metrics)  # the components' own figures of the step, logged as named
         train_on: RolloutBatch | None = rollouts
         if self.dynamic_sampling is not None:
@@ -292,13 +289,29 @@ class RLHFModule(pl.LightningModule):
             advantages = Advantages.of(self.advantage(train_on, inputs), len(train_on))
             stats = self.update(train_on, advantages)
         t3 = time.perf_counter()
-        sync = strategy.rollout.sync_seconds
-        self.phase_times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}  # fmt: skip
+        rank = {**rollouts.rank_figures, **(scores.rank_figures if scores is not None else {})}
+        sync = rank.pop("sync", 0.0)  # a batch that crossed from another rank had no push here
+        rank["idle"] = rank.pop("idle", 0.0) + waited  # the placement's waiting and the end of scoring
+        times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}
         self.commit_step_state()
         self.last_rollouts = rollouts
-        summary = step_stats(self, rollouts, stats, figures)
-        self.reward_metrics = {}
+        summary = step_stats(
+            self.step_context(), rollouts, scores.metrics if scores is not None else {}, stats, figures, times, rank
+        )
         return {"reward_mean": float(rollouts.rewards.mean()), "stats": summary}
+
+    def step_context(self) -> StepContext:
+        """What the step's figures are reduced and labelled with (see :func:`step_stats`)."""
+        strategy = self.trainer.strategy
+        keys = sorted(
+            {f"reward/{fn.name}/sum" for fn in self.reward_functions}
+            | {k for fn in self.reward_functions for k in fn.metric_names()}
+            | ({"reward/shaping/sum"} if self.reward_shaping is not None else set())
+        )
+        lr = self.optimizer_settings.lr_at(max(self.trainer.global_step - 1, 0))
+        return StepContext(
+            strategy.controller, strategy.is_model_parallel_head, strategy.world_size, keys, self.log_samples, lr
+        )
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
@@ -315,104 +328,16 @@ class RLHFModule(pl.LightningModule):
         rewards), computed where the rollouts live (see the controller and placement), plus the reward
         shaping. An override may return a plain ``[N]`` tensor."""
         scores = self.trainer.strategy.rollout.score(rollouts)
-        for key, value in scores.metrics.items():
-            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
-        total = scores.total
+        total, metrics = scores.total, dict(scores.metrics)
         if self.reward_shaping is not None:
             shaped = self.reward_shaping(rollouts.response_lengths(), self.sampling.max_new_tokens)
-            key = "reward/shaping/sum"
-            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + float(shaped.sum())
+            metrics["reward/shaping/sum"] = float(shaped.sum())
             total = total + shaped
-        return Scores(total, scores.metrics, scores.token_rewards)
-
-    def advantage_inputs(self, rollouts: RolloutBatch) -> tuple[AdvantageInputs, dict[str, float]]:
-        """What the estimator uses: the rewards, the per-token rewards (with ``kl_in_reward`` the KL
-        penalty, from the engine's logprobs of the sampled tokens against the reference's), and the
-        critic's values; and the KL's figures. Collective (the reference's and the critic's forwards)."""
-        self.trainer.strategy.rollout.prepare_training()
-        batch, everything, figures = TrainingBatch(rollouts), list(range(len(rollouts))), {}
-        tokens = rollouts.token_rewards
-        if self.kl_in_reward:
-            ref = share_with_pipeline(self.compute_logprobs(self.reference, batch, everything))
-            kl = [self.kl_estimator(lp, r) for lp, r in zip(rollouts.rollout_logprobs, ref, strict=True)]
-            penalty = [-self.kl_coef * k for k in kl]
-            tokens = penalty if tokens is None else [t + p for t, p in zip(tokens, penalty, strict=True)]
-            flat = torch.cat(kl) if kl else torch.zeros(0)
-            sums = {"tokens": float(flat.numel()), "kl": float(flat.sum())}
-            figures["actor/kl"] = reduce_token_metrics(self.trainer.strategy.controller, sums, ("kl",))["kl"]
-        values = None
-        if self.critic_model is not None:
-            values = share_with_pipeline(
-                sample_values(self.critic_model, self.microbatches(batch, everything), len(batch))
-            )
-        inputs = AdvantageInputs(
-            rollouts.rewards, rollouts.group_ids, [len(c) for c in rollouts.completion_ids], tokens, values,
-            all_reduce=self.trainer.strategy.controller.all_reduce,
-        )  # fmt: skip
-        return inputs, figures
+        return Scores(total, metrics, scores.token_rewards, scores.rank_figures)
 
     def advantage(self, rollouts: RolloutBatch, inputs: AdvantageInputs) -> Advantages:
         """The advantages of the samples (an override may return a plain ``[N]`` tensor)."""
         return self.advantage_estimator(inputs)
-
-    def update(self, rollouts: RolloutBatch, advantages: Advantages) -> dict[str, float]:
-        """Policy update: ``ppo_epochs`` passes of ``mini_batches`` optimizer steps over the scored rollouts.
-        Returns the update's figures: the token means of :data:`_TOKEN_METRICS`, ``grad_norm`` and
-        ``logprob_diff_max`` (logged as ``actor/...``), and the load balancer's, logged under their names."""
-        self.trainer.strategy.rollout.prepare_training()
-        batch, figures = TrainingBatch(rollouts, advantages), {}
-        if self.balancer is not None:
-            with wire.category("rollout"):
-                rebalanced = self.balancer.rebalance(self, batch)
-            batch, figures = rebalanced.batch, rebalanced.metrics
-        everything = list(range(len(batch)))
-        old = ref = None
-        if self.ppo_epochs * len(mini_batch_slices(len(batch), self.mini_batches)) > 1:
-            # More than one optimizer step per rollout batch: later ones need the logprobs from before the first.
-            old = self.compute_logprobs(self.policy, batch, everything)
-        # Otherwise the step is exactly on-policy: the training forward's own logprobs, detached, are the old
-        # ones (``_loss_fn``), which saves a forward pass over every token.
-        if self.reference is not None and not self.kl_in_reward:
-            ref = self.compute_logprobs(self.reference, batch, everything)
-        batch = TrainingBatch(batch.rollouts, batch.advantages, old_logprobs=old, ref_logprobs=ref)
-        sums: dict[str, float] = defaultdict(float)
-        critic_sums: dict[str, float] = defaultdict(float)
-        grad_norms, critic_norms = [], []
-        first_forward, forward_diff = True, 0.0  # engine/policy agreement, from the first (pre-update) forward
-        optimizer = self.optimizers()
-        shuffle = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.global_step)
-        for _ in range(self.ppo_epochs):
-            order = torch.randperm(len(batch), generator=shuffle).tolist()
-            for part in mini_batch_slices(len(order), self.mini_batches):
-                optimizer.zero_grad()
-                mbs = self.microbatches(batch, order[part])
-                with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
-                    outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
-                for out in outputs:
-                    for key, value in zip(("tokens", *self.token_metrics), out["metrics"].tolist(), strict=True):
-                        sums[key] += value
-                    if first_forward:
-                        forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
-                first_forward = False
-                check_finite(outputs, self.trainer.global_step)
-                step = self.trainer.global_step
-                self.partial_update = True  # until the last optimizer step of this RL step is taken
-                with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
-                    optimizer.step()
-                grad_norms.append(optimizer.last_grad_norm)
-                if self.critic_model is not None:
-                    critic_norms.append(self.critic.step(self.critic_model, mbs, step, critic_sums))
-        self.partial_update = False
-        controller = self.trainer.strategy.controller
-        stats = reduce_token_metrics(controller, sums, self.token_metrics)
-        stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if self.critic_model is not None:
-            stats.update(reduce_token_metrics(controller, critic_sums, CRITIC_METRICS))
-            stats["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
-        stats["logprob_diff_max"] = (
-            max_abs_difference(old, batch.rollouts.rollout_logprobs) if old is not None else forward_diff
-        )
-        return {**stats, **figures}
 
     def commit_step_state(self) -> None:
         """The step's rollouts are consumed: rollouts waiting across steps (dynamic sampling's buffer,
@@ -450,60 +375,3 @@ class RLHFModule(pl.LightningModule):
         """A sampling seed per prompt, fixed by (seed, step, row): a resumed run samples the same."""
         step = self.trainer.global_step
         return [sampling_seed(self.seed, step, row, i) for i, row in enumerate(batch)]
-
-    def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""
-        advantages = mb["advantages"]
-        advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
-        per_token, metrics = self.algorithm(logprobs, mb["old_logprobs"], advantages, mb["loss_mask"])
-        if self.off_policy_correction is not None:
-            weight, more = self.off_policy_correction(mb["old_logprobs"], mb["rollout_logprobs"])
-            per_token = per_token * weight
-            metrics.update(more)
-        metrics = {"pg_loss": per_token.detach(), **metrics}
-        if self.reference is not None and not self.kl_in_reward:
-            kl = self.kl_estimator(logprobs, mb["ref_logprobs"])
-            per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = kl.detach()
-        return per_token, metrics
-
-    # ------------------------------------------------------------------ internals
-    def _loss_fn(self, mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        logits = logits[:, :-1]
-        logprobs = token_logprobs(logits, mb["input_ids"][:, 1:], self.sampling.temperature)
-        mask = mb["loss_mask"]
-        if "old_logprobs" not in mb:  # on-policy: the behaviour policy is the current one
-            mb = {**mb, "old_logprobs": logprobs.detach()}
-        diff = ((logprobs.detach() - mb["rollout_logprobs"]).abs() * mask).max() if mask.any() else torch.zeros(())
-        per_token, metrics = self.loss(logprobs, mb)
-        metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
-        weights, count = self.loss_aggregation.weights(mask, self.sampling.max_new_tokens)
-        loss_sum = (per_token * weights).sum()
-        row = [mask.sum()] + [
-            (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in self.token_metrics
-        ]
-        finite = torch.isfinite(loss_sum)
-        if not finite:  # keep the schedule going so every rank reaches the check after it
-            loss_sum = torch.nan_to_num(loss_sum) * 0
-        return (
-            loss_sum,
-            count,
-            {
-                "metrics": torch.stack([v.detach().float() for v in row]),
-                "finite": finite,
-                "logprob_diff_max": diff,
-            },
-        )
-
-    def compute_logprobs(self, model, batch: TrainingBatch, indices: list[int]) -> list[torch.Tensor] | None:
-        """Per-sample logprobs of the completion tokens under ``model`` (forward only; ``None`` on pipeline
-        stages other than the last)."""
-        return sample_logprobs(model, self.microbatches(batch, indices), len(batch), self.sampling.temperature)
-
-    def microbatches(self, batch: TrainingBatch, indices: list[int]) -> list[dict]:
-        """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
-        budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
-        overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
-        plan = batch.plan_by_tokens(indices, budget, overhead) if budget else None
-        pixels = self.images.pixels if self.images is not None else None
-        return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan, pixels=pixels)

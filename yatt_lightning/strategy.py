@@ -26,7 +26,8 @@ from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
 from yatt_lightning.rollout.base import RolloutEngine
 from yatt_lightning.rollout.controller import Controller, ParallelController
-from yatt_lightning.rollout.service import EngineSpec, RolloutService
+from yatt_lightning.rollout.service import RolloutService
+from yatt_lightning.rollout.types import EngineStart
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,17 @@ class MegatronStrategy(DDPStrategy):
         self._engine_started = False
         self.resumed_from: Path | None = None
         self.run_id = uuid.uuid4().hex  # recorded in checkpoint manifests; a resumed run keeps its run's id
-        self.rollout = RolloutService(self)  # what the module's rollout and reward steps call
+        # what the module's rollout and reward steps call
+        self.rollout = RolloutService(self.engine, self.placement, self.controller, offload_params)
 
     # ------------------------------------------------------------------ parallel state
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group
         self._init_megatron()
-        self.controller.attach(self)
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        self.placement.check(self.world_size, tp, pp)
+        self.placement.controller = self.controller
 
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
@@ -165,23 +169,14 @@ class MegatronStrategy(DDPStrategy):
                     "MegatronStrategy: the module did not hand the rollout service its setup in configure_model "
                     "(RLHFModule does; a custom LightningModule must call strategy.rollout.configure)."
                 )
-            self.placement.start_engines(self.rollout)
+            t0 = time.perf_counter()
+            tp_pp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+            start = EngineStart(self.engine, tp_pp, self.controller.engine_batch_scale())
+            self.placement.start_engines(self.rollout.setup, start)
+            log.info("rank %d: engines started in %.1fs", self.global_rank, time.perf_counter() - t0)
             self._engine_started = True
             # vLLM reseeds the global RNG when it starts; put the trainer's seed back.
             torch.manual_seed(self.rollout.setup.run_seed + self.global_rank)
-
-    def start_policy_engine(self, spec: EngineSpec, batch_scale: int = 1) -> None:
-        """Start the policy's rollout engine on this rank (the placement decides which ranks call this)."""
-        t0 = time.perf_counter()
-        self.engine.start(
-            spec.model_path,
-            tensor_parallel_size=self.tensor_model_parallel_size * self.pipeline_model_parallel_size,
-            seed=spec.seed,
-            max_num_seqs=spec.max_num_seqs * self.controller.engine_batch_scale() * batch_scale,
-            max_model_len=spec.max_model_len,
-            dtype=spec.dtype,
-        )
-        log.info("rank %d: rollout engine started in %.1fs", self.global_rank, time.perf_counter() - t0)
 
     @override
     def model_to_device(self) -> None:
@@ -196,14 +191,12 @@ class MegatronStrategy(DDPStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------ the rollout + reward phase
-    def finish_scoring(self, error: BaseException | None) -> None:
-        """Collective end of the rollout + reward phase: raises everywhere if any rank failed; the time
-        spent here waiting for slower ranks counts as this rank's idle time."""
+    def finish_scoring(self, error: BaseException | None) -> float:
+        """Collective end of the rollout + reward phase: raises everywhere if any rank failed; returns the
+        seconds spent here waiting for slower ranks (this rank's idle time)."""
         t0 = time.perf_counter()
-        try:
-            failures.agree(error)
-        finally:
-            self.placement.idle += time.perf_counter() - t0
+        failures.agree(error)
+        return time.perf_counter() - t0
 
     def all_reduce_min_max(self, values: list[float]) -> tuple[list[float], list[float]]:
         """(min over ranks, max over ranks) of each value."""

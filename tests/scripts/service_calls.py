@@ -6,7 +6,7 @@ MODE ``one``: one process, full colocation. ``dp2``: two data-parallel processes
 ``partial``: two processes under partial colocation with a judge. Each process builds a
 ``MegatronStrategy`` (its public ``setup_environment``, as Lightning calls it), hands its rollout
 service a ``RolloutSetup`` and calls ``service.rollout`` / ``service.generate`` / ``service.score``,
-``LongTailPolicy.rollout``, ``placement.generate`` and ``controller.generate`` / ``controller.score``
+``LongTailPolicy.plan`` / ``collect``, ``placement.generate`` and ``controller.generate`` / ``controller.score``
 with ``RolloutRequest`` values; the checks are on the ``RolloutBatch`` / ``Generation`` / ``Scores``
 that come back. Rank 0 prints one JSON line: every rank's results.
 """
@@ -51,7 +51,9 @@ def _configure(strategy, rewards, long_tail, max_num_seqs: int = 64):
     tokenizer = AutoTokenizer.from_pretrained(path)
     spec = EngineSpec(path, seed=0, max_num_seqs=max_num_seqs, max_model_len=32, dtype="float32")
     strategy.rollout.configure(RolloutSetup(policy, tokenizer, spec, rewards, long_tail, run_seed=0))
-    strategy.placement.start_engines(strategy.rollout)
+    from yatt_lightning.rollout.types import EngineStart
+
+    strategy.placement.start_engines(strategy.rollout.setup, EngineStart(strategy.engine, 1))
     return tokenizer
 
 
@@ -114,19 +116,25 @@ def mode_one(rank: int, port: int, queue) -> None:
     out["scores"] = scores.total.tolist()
     out["scores_expected"] = expected
     out["score_metrics"] = scores.metrics
-    generation = strategy.placement.generate(service, request, keep=len(rows))
+    with service.engine_ready(request.weights_version) as (engine, _):
+        generation = strategy.placement.generate(request, len(rows), engine)
+        out["controller"] = [[list(c.token_ids) for c in g] for g in strategy.controller.generate(request, 6, engine)]
     out["full_generation"] = {"groups": [len(g) for g in generation.groups], "judged": sorted(generation.judged)}
-    out["controller"] = [[list(c.token_ids) for c in g] for g in strategy.controller.generate(service, request, 6)]
+
+    def run(policy, request):  # what the service does with a long-tail policy, step by step
+        plan = policy.plan(request, 0)
+        generation = service.generate(plan.request, plan.keep)[0] if plan.request is not None else None
+        return policy.collect(plan, generation, tokenizer, strategy.controller.min_over_ranks)
 
     over = OverProvision(extra=1.0)  # 6 prompts launched, the first 3 groups to finish kept
-    kept = over.rollout(service, request)
+    kept = run(over, request)
     out["over"] = _layout(kept)
     out["over_metrics"] = kept.metrics
 
     partial = PartialRollout(max_new_tokens_per_step=4)  # 6-token answers: none finishes in the first round
     rounds = []
     for step in range(3):
-        b = partial.rollout(service, _request(tokenizer, _rows(10 * step, 2), step=step))
+        b = run(partial, _request(tokenizer, _rows(10 * step, 2), step=step))
         partial.commit()
         rounds.append({"len": len(b), **b.metrics, "longest": max((len(c) for c in b.completion_ids), default=0)})
     out["partial"] = rounds
@@ -137,13 +145,13 @@ def mode_one(rank: int, port: int, queue) -> None:
 def mode_dp2(rank: int, port: int, queue) -> None:
     """The parallel and the single controller, each asked for the same request on two ranks."""
     from yatt_lightning.rewards import RuleReward
+    from yatt_lightning.rollout.batch import RolloutBatch
     from yatt_lightning.rollout.controller import ParallelController, SingleController
     from yatt_lightning.rollout.longtail import WaitForAll
     from yatt_lightning.rollout.service import combine
 
     strategy = _strategy(rank, 2, port)
     single = SingleController()
-    single.attach(strategy)
     rule = RuleReward(ALPHABET, name="alphabet")
     tokenizer = _configure(strategy, [rule], WaitForAll(), max_num_seqs=64)
     service = strategy.rollout
@@ -151,9 +159,10 @@ def mode_dp2(rank: int, port: int, queue) -> None:
     out = {}
     for name, controller in (("parallel", strategy.controller), ("single", single)):
         assert isinstance(controller, ParallelController if name == "parallel" else SingleController)
-        groups = controller.generate(service, request, keep=4)
-        batch = service.groups_to_batch(request.rows, request.prompt_ids, groups)
-        scores = controller.score(batch, lambda part: combine([rule], part))
+        with service.engine_ready(request.weights_version) as (engine, _):
+            groups = controller.generate(request, 4, engine)
+        batch = RolloutBatch.from_groups(request.rows, request.prompt_ids, groups, tokenizer)
+        scores = controller.score(batch, lambda part: combine([rule], part), False, tokenizer)
         out[name] = {**_layout(batch), "scores": scores.total.tolist()}
     _shutdown(strategy)
     queue.put((rank, out))
@@ -175,18 +184,18 @@ def mode_partial(rank: int, port: int, queue) -> None:
     tokenizer = _configure(strategy, [rule, judge], WaitForAll())
     service = strategy.rollout
     request = _request(tokenizer, _rows(4 * rank, 4))
-    generation = service.generate(request)
-    batch = service.groups_to_batch(request.rows, request.prompt_ids, generation.groups)
-    judged = generation.judged["judge"].scores
+    batch = service.rollout(request)
+    judged = batch.judged["judge"].scores  # what the placement judged while generating travels in the batch
     scores = service.score(batch)
     rule_scores = rule(batch.prompts, batch.completions, batch.rows).scores
     out = {
         **_layout(batch),
-        "judged": sorted(generation.judged),
+        "judged": sorted(batch.judged),
         "judged_count": len(judged),
         "total": scores.total.tolist(),
         "expected": [r + 0.1 * j for r, j in zip(rule_scores, judged, strict=True)],
-        "consumed": service.judged == {},
+        "idle_measured": "idle" in batch.rank_figures and "memory/rollout_rss_gb" in batch.rank_figures
+        or "memory/reward_rss_gb" in batch.rank_figures,
     }
     _shutdown(strategy)
     queue.put((rank, out))

@@ -2,8 +2,8 @@
 
 :class:`FullColocation` (``full.py``) runs the stages in series on every rank; :class:`PartialColocation`
 (``partial.py``) puts the policy's engine on the rollout ranks and the judge on the judge ranks at the
-same time, streaming finished groups between them (``partial_rollout.py``, ``partial_judge.py``, with
-the typed messages of ``stream.py``). Both log, per step, each rank's idle time in the rollout + reward
+same time, streaming finished groups between them (``rollout_side.py``, ``judge_side.py``, with
+the typed messages of ``stream.py`` and the roles of ``pairing.py``). Both log, per step, each rank's idle time in the rollout + reward
 phase (``idle/rank<r>``, ``idle_fraction/rank<r>``).
 """
 

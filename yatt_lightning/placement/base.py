@@ -1,41 +1,48 @@
-"""The placement base class: its hooks around a step's rollout and reward, and the bookkeeping it shares."""
+"""The placement base class: where the engines and judges run, and its hooks around a step's rollout and
+reward. A placement receives values (the setup, the request, the engine), never the service or the
+strategy; what it measured (idle seconds, memory) comes back in the values it returns."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import psutil
+import torch
 
 from yatt_lightning.rewards.base import RewardFunction
 from yatt_lightning.rewards.genrm import GenerativeRewardModel
-
-if TYPE_CHECKING:
-    from yatt_lightning.rollout.service import Generation, RolloutRequest, RolloutService
+from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
 
 
 class Placement:
-    """Base class; the strategy owns one, the rollout service drives it."""
+    """Base class; the strategy owns one and hands it its controller, the rollout service drives it."""
 
-    idle = 0.0  # this step's waiting for another rank or for work, in the rollout + reward phase
-    memory: dict[str, float] = {}
+    controller = None  # who talks to engines (handed over by the strategy)
 
-    def check(self, strategy) -> None:
+    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
         """Raise a ValueError naming the key if this placement cannot serve the layout."""
 
-    def start_engines(self, service: RolloutService) -> None:
+    def hosts_policy_engine(self) -> bool:
+        """True on ranks that run the policy's engine (the service readies it there before generating)."""
+        return True
+
+    def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
         raise NotImplementedError
 
-    def generate(self, service: RolloutService, request: RolloutRequest, keep: int) -> Generation:
-        """Completions for this rank's prompts (``None`` for groups not kept) and the scores of reward
-        functions already computed while generating."""
+    def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
+        """Completions for this rank's prompts (``None`` for groups not kept) on ``engine`` (``None`` where
+        this rank hosts none), the scores of reward functions already computed while generating, and this
+        rank's figures of it."""
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def scoring(self, reward_functions: list[RewardFunction]) -> Iterator[None]:
-        """Around the reward stage of a step (after generation, before training)."""
-        yield
+    def scoring(self, reward_functions: list[RewardFunction]) -> Iterator[dict[str, float]]:
+        """Around the reward stage of a step (after generation, before training); yields this rank's
+        figures of the stage, filled when it ends."""
+        figures: dict[str, float] = {}
+        yield figures
+        figures.update(memory("reward"))
 
     def shutdown(self, reward_functions: list[RewardFunction]) -> None:
         for genrm in self.judges(reward_functions):
@@ -45,10 +52,15 @@ class Placement:
     def judges(reward_functions: list[RewardFunction]) -> list[GenerativeRewardModel]:
         return [fn for fn in reward_functions if isinstance(fn, GenerativeRewardModel)]
 
-    # -- bookkeeping shared by the placements
-    def reset_step(self) -> None:
-        self.idle = 0.0
-        self.memory = {}
 
-    def record_memory(self, stage: str) -> None:
-        self.memory[f"memory/{stage}_rss_gb"] = psutil.Process().memory_info().rss / 2**30
+def memory(stage: str) -> dict[str, float]:
+    """This process's resident memory after ``stage``, as a rank figure."""
+    return {f"memory/{stage}_rss_gb": psutil.Process().memory_info().rss / 2**30}
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

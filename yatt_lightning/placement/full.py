@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from yatt_lightning.placement.base import Placement
+from yatt_lightning.placement.base import Placement, memory
 from yatt_lightning.rewards.base import RewardFunction
-
-if TYPE_CHECKING:
-    from yatt_lightning.rollout.service import Generation, RolloutRequest, RolloutService
+from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
 
 
 class FullColocation(Placement):
     """Rollout, GenRM and training in series, each on every rank."""
 
-    def start_engines(self, service: RolloutService) -> None:
-        strategy, setup = service.strategy, service.setup
-        strategy.start_policy_engine(setup.engine)
+    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
+        self.model_parallel = tensor_parallel * pipeline_parallel
+
+    def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
+        policy_engine.start(setup.engine)
         for genrm in self.judges(setup.reward_functions):
-            if strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size != 1:
+            if self.model_parallel != 1:
                 raise ValueError(
                     "a GenerativeRewardModel runs with data parallelism only for now; set "
                     "`trainer.strategy.tensor_model_parallel_size` and `pipeline_model_parallel_size` to 1."
@@ -32,23 +31,21 @@ class FullColocation(Placement):
             genrm.start(seed=setup.engine.seed, max_num_seqs=setup.engine.max_num_seqs, dtype=setup.engine.dtype)
             genrm.engine.sleep()
 
-    def generate(self, service: RolloutService, request: RolloutRequest, keep: int) -> Generation:
-        from yatt_lightning.rollout.service import Generation
-
-        self.reset_step()
-        groups = service.strategy.controller.generate(service, request, keep)
-        self.record_memory("rollout")
-        return Generation(groups)
+    def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
+        groups = self.controller.generate(request, keep, engine)
+        return Generation(groups, rank_figures=memory("rollout"))
 
     @contextlib.contextmanager
-    def scoring(self, reward_functions: list[RewardFunction]) -> Iterator[None]:
+    def scoring(self, reward_functions: list[RewardFunction]) -> Iterator[dict[str, float]]:
         """The judges' engines are awake for the reward stage only: on a GPU they hold memory that the
         policy's engine (asleep by now) and training need at the other stages."""
         judges = self.judges(reward_functions)
         for genrm in judges:
             genrm.engine.wake_up()
+        figures: dict[str, float] = {}
         try:
-            yield
+            yield figures
+            figures.update(memory("reward"))
         finally:
             for genrm in judges:
                 genrm.engine.sleep()

@@ -25,6 +25,7 @@ class JudgeWork:
     rows: list[dict]
     seeds: list[int]
     keep: int
+    max_new_tokens: list[int] | None = None  # the long-tail policy's budget per prompt, if it set one
 
 
 @dataclass(frozen=True)

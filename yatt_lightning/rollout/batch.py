@@ -17,7 +17,8 @@ class RolloutBatch:
     ``rollout_logprobs`` are 1-D tensors over each sample's completion tokens (the engine's).
     A batch is a value: scoring gives a new one (:meth:`scored`) and nothing assigns its fields.
     ``rewards`` is set once the batch is scored; ``metrics`` holds how it was generated (the long-tail
-    policy's figures), logged with the step's. What the update adds (advantages, old and reference
+    policy's figures), logged with the step's; ``rank_figures`` this rank's figures of the generation
+    (logged per rank); ``judged`` the scores a placement computed while generating, which scoring uses. What the update adds (advantages, old and reference
     logprobs) lives in :class:`~yatt_lightning.training.batch.TrainingBatch`.
     """
 
@@ -32,6 +33,9 @@ class RolloutBatch:
     rewards: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     token_rewards: list[torch.Tensor] | None = None
+    judged: dict = field(default_factory=dict)  # reward name -> RewardOutput a placement scored while generating
+    rank_figures: dict[str, float] = field(default_factory=dict)  # this rank's (idle seconds, memory, sync)
+    versions: list[tuple[int, int]] | None = None  # per sample: (first, last) policy version of its tokens
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -72,7 +76,17 @@ class RolloutBatch:
             finish_reasons=pick(self.finish_reasons),
             rewards=pick_tensor(self.rewards),
             token_rewards=pick(self.token_rewards),
+            versions=pick(self.versions),
         )
+
+    @staticmethod
+    def from_groups(
+        rows: list[dict], prompt_ids: list[list[int]], groups: list, tokenizer, metrics: dict[str, float] | None = None
+    ) -> RolloutBatch:
+        """A batch of the kept groups' samples (``None``: a group not kept), in prompt order (the layout
+        every controller relies on)."""
+        samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
+        return RolloutBatch.from_samples(samples, tokenizer, metrics)
 
     @staticmethod
     def from_samples(samples: list[tuple], tokenizer, metrics: dict[str, float] | None = None) -> RolloutBatch:
@@ -117,6 +131,7 @@ class RolloutBatch:
             token_rewards=[t for part in tokens for t in part]
             if tokens and all(t is not None for t in tokens)
             else None,
+            versions=[v for b in batches for v in b.versions] if batches and all(b.versions for b in batches) else None,
         )
 
     def response_lengths(self) -> torch.Tensor:

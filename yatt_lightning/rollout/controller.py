@@ -20,7 +20,7 @@ cross the wire.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,7 +30,7 @@ from yatt_lightning.distributed.collectives import gather_objects, scatter_objec
 from yatt_lightning.distributed.failures import fail_together
 from yatt_lightning.rollout.base import Completion
 from yatt_lightning.rollout.batch import RolloutBatch
-from yatt_lightning.rollout.service import RolloutRequest, RolloutService, Scores
+from yatt_lightning.rollout.types import RolloutRequest, Scores
 
 ScoreFn = Callable[[RolloutBatch], Scores]
 
@@ -40,14 +40,22 @@ ScoreFn = Callable[[RolloutBatch], Scores]
 STUB_FIELDS = ("prompt", "messages", "_id", "_source", "images")
 
 
+def first_to_finish(engine, request: RolloutRequest, keep: int) -> Iterator[tuple[int, list[Completion]]]:
+    """``(prompt index, group)`` as groups finish; stops (aborting the rest) after ``keep`` groups."""
+    stream = engine.generate_stream(
+        request.prompt_ids, request.sampling, request.seeds, request.max_new_tokens, images_of(request.rows)
+    )
+    try:
+        for count, item in enumerate(stream, start=1):
+            yield item
+            if count >= keep:
+                return
+    finally:
+        stream.close()
+
+
 class Controller:
-    """Base class; the strategy calls :meth:`attach` once its process groups exist."""
-
-    def __init__(self) -> None:
-        self.strategy = None
-
-    def attach(self, strategy) -> None:
-        self.strategy = strategy
+    """Base class: who talks to engines and what crosses ranks. It holds nothing of the strategy's."""
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         """Raise a ValueError naming the key if this controller cannot serve the layout."""
@@ -63,15 +71,20 @@ class Controller:
         (``shares[r]``), the others ``None``; returns the rows this rank's module works on."""
         raise NotImplementedError(f"{type(self).__name__} does not load rows on a driver.")
 
-    def generate(self, service: RolloutService, request: RolloutRequest, keep: int) -> list:
-        """Completions (``sampling.n`` per prompt) for this rank's prompts; with ``keep`` < the number of
-        prompts only the first groups to finish (the others ``None``)."""
+    def generate(self, request: RolloutRequest, keep: int, engine) -> list:
+        """Completions (``sampling.n`` per prompt) for this rank's prompts on ``engine`` (awake, with the
+        policy's weights); with ``keep`` < the number of prompts only the first groups to finish (the
+        others ``None``)."""
         raise NotImplementedError
 
-    def score(self, batch: RolloutBatch, score_fn: ScoreFn, token_rewards: bool = False) -> Scores:
+    def score(self, batch: RolloutBatch, score_fn: ScoreFn, token_rewards: bool, tokenizer) -> Scores:
         """This rank's rewards; ``score_fn(batch)`` computes a batch's :class:`Scores`; ``token_rewards``:
         a reward function gives per-token rewards, which reach every rank with the totals."""
         raise NotImplementedError
+
+    def min_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's minimum over every rank (a collective)."""
+        return self.all_reduce(torch.tensor(values, dtype=torch.float64), op=torch.distributed.ReduceOp.MIN).tolist()
 
     def engine_batch_scale(self) -> int:
         """How many ranks' prompts one engine may be asked to generate at once."""
@@ -87,17 +100,13 @@ class Controller:
 class ParallelController(Controller):
     """Every DP rank generates and scores its own prompts; the head of each MP group scores."""
 
-    def generate(self, service, request, keep) -> list:
+    def generate(self, request, keep, engine) -> list:
         groups: list = [None] * len(request.prompt_ids)
-        with service.engine_ready(request.weights_version) as engine:
-            stream = service.setup.long_tail.stream(
-                engine, request.prompt_ids, request.sampling, request.seeds, keep, images=images_of(request.rows)
-            )
-            for index, group in stream:
-                groups[index] = group
+        for index, group in first_to_finish(engine, request, keep):
+            groups[index] = group
         return groups
 
-    def score(self, batch, score_fn, token_rewards: bool = False) -> Scores:
+    def score(self, batch, score_fn, token_rewards, tokenizer) -> Scores:
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
@@ -133,7 +142,6 @@ class SingleController(Controller):
         self.driver_loads_rows = driver_loads_rows
         self._loaded: list[list[dict]] | None = None  # on the driver: every rank's rows of the step, as loaded
         self._held: list[tuple[list[dict], list, list]] | None = None  # on the driver: rows, prompt ids, groups
-        self._service: RolloutService | None = None
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         if tensor_model_parallel_size * pipeline_model_parallel_size != 1:
@@ -158,7 +166,7 @@ class SingleController(Controller):
         with wire.category("rollout"):
             return scatter_objects(None)
 
-    def generate(self, service, request, keep) -> list:
+    def generate(self, request, keep, engine) -> list:
         if keep < len(request.prompt_ids):
             raise ValueError("`model.long_tail`: over-provisioning is not supported with the SingleController.")
         if self.driver_loads_rows:
@@ -177,23 +185,19 @@ class SingleController(Controller):
             self._loaded = None
             all_prompts = [p for part in gathered for p in part[0]]
             all_seeds = [s for part in gathered for s in part[1]]
-            with service.engine_ready(request.weights_version) as engine:
-                images = images_of([row for rows in every_rows for row in rows])  # read by the driver, from refs
-                groups = engine.generate(all_prompts, request.sampling, all_seeds, images=images)
+            images = images_of([row for rows in every_rows for row in rows])  # read by the driver, from refs
+            groups = engine.generate(all_prompts, request.sampling, all_seeds, images=images)
             parts, start = [], 0
             for part in gathered:
                 parts.append(groups[start : start + len(part[0])])
                 start += len(part[0])
             self._held = [(r, part[0], g) for r, part, g in zip(every_rows, gathered, parts, strict=True)]
-            self._service = service
-        else:
-            # The other ranks' engines idle; their weights still follow the policy for a fair comparison.
-            with service.engine_ready(request.weights_version):
-                parts = None
+        else:  # the other ranks' engines idle; their weights still follow the policy for a fair comparison
+            parts = None
         with wire.category("rollout"):
             return scatter_objects(parts)
 
-    def score(self, batch, score_fn, token_rewards: bool = False) -> Scores:
+    def score(self, batch, score_fn, token_rewards, tokenizer) -> Scores:
         if token_rewards:
             raise ValueError(
                 "`model.rewards`: per-token rewards (a TokenRewardFunction) are not sent by the SingleController "
@@ -205,7 +209,7 @@ class SingleController(Controller):
             if self._held is not None:
                 held, self._held = self._held, None
                 mine = score_fn(batch)
-                others = [score_fn(self._service.groups_to_batch(*h)) for h in held[1:]]
+                others = [score_fn(RolloutBatch.from_groups(*h, tokenizer)) for h in held[1:]]
                 parts = [mine.total] + [o.total for o in others]
                 for o in others:  # every sample's metrics are counted once, on the driver
                     for key, value in o.metrics.items():

@@ -21,48 +21,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from yatt_lightning.distributed.seeding import sampling_seed
-from yatt_lightning.rollout.base import Completion
 from yatt_lightning.rollout.batch import RolloutBatch
-from yatt_lightning.rollout.service import RolloutRequest
+from yatt_lightning.rollout.types import Generation, Plan, RolloutRequest
 
-if TYPE_CHECKING:
-    from yatt_lightning.rollout.service import RolloutService
+MinOverRanks = Callable[[list[float]], list[float]]
 
 
 class LongTailPolicy:
-    """Base class: how a step's request is generated (:meth:`rollout`), and how many of its groups are kept.
-    A policy's figures of the step travel in the batch it returns (``RolloutBatch.metrics``)."""
+    """Base class: how a step's request is generated. :meth:`plan` says what to ask the engines for (and
+    how many groups to keep); :meth:`collect` turns what came back into the step's batch. A policy's figures
+    of the step travel in the batch it returns (``RolloutBatch.metrics``)."""
 
     def keep_count(self, n_prompts: int) -> int:
         return n_prompts
 
-    def rollout(self, service: RolloutService, request: RolloutRequest) -> RolloutBatch:
-        """This step's rollouts: ``sampling.n`` completions of each kept prompt, generated through ``service``."""
-        keep = self.keep_count(len(request.prompt_ids))
-        generation = service.generate(request, keep)
-        metrics = {}
-        if keep < len(request.prompt_ids):
-            metrics["long_tail/kept_groups"] = float(sum(g is not None for g in generation.groups))
-        return service.groups_to_batch(request.rows, request.prompt_ids, generation.groups, metrics)
+    def plan(self, request: RolloutRequest, run_seed: int) -> Plan:
+        """What to generate for ``request``: here the request itself, keeping the first groups to finish."""
+        return Plan(request, self.keep_count(len(request.prompt_ids)))
 
-    def stream(
-        self, engine, prompts, sampling, seeds, keep: int, max_new_tokens: list[int] | None = None, images=None
-    ) -> Iterator[tuple[int, list[Completion]]]:
-        """Groups as they finish; stops (aborting the rest) after ``keep`` groups. ``max_new_tokens``: a
-        budget per prompt instead of ``sampling.max_new_tokens``; ``images``: each prompt's decoded images."""
-        stream = engine.generate_stream(prompts, sampling, seeds, max_new_tokens, images)
-        try:
-            for count, item in enumerate(stream, start=1):
-                yield item
-                if count >= keep:
-                    return
-        finally:
-            stream.close()
+    def collect(
+        self, plan: Plan, generation: Generation | None, tokenizer, min_over_ranks: MinOverRanks
+    ) -> RolloutBatch:
+        """This step's rollouts from the planned generation (``min_over_ranks``: a collective, for policies
+        whose ranks must agree on a count)."""
+        request, groups = plan.request, generation.groups
+        metrics = {}
+        if plan.keep < len(request.prompt_ids):
+            metrics["long_tail/kept_groups"] = float(sum(g is not None for g in groups))
+        return RolloutBatch.from_groups(request.rows, request.prompt_ids, groups, tokenizer, metrics)
 
 
 class WaitForAll(LongTailPolicy):
@@ -93,6 +83,7 @@ class _Pending:
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = "length"
+    versions: tuple[int, int] = (-1, -1)  # (first, last) policy version its tokens came from
 
     def copy(self) -> _Pending:
         return dataclasses.replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
@@ -113,40 +104,49 @@ class PartialRollout(LongTailPolicy):
         self.carried: list[list[_Pending]] = []  # groups still generating, then groups finished but not yet trained
         self._next: list[list[_Pending]] | None = None  # ``carried`` once the step commits
 
-    def rollout(self, service: RolloutService, request: RolloutRequest) -> RolloutBatch:
-        """This step's rollouts: groups finished now, from this step's prompts or earlier ones. The carried
-        groups change only at :meth:`commit` (when the step is done): a step that fails leaves them as
-        they were."""
+    def plan(self, request: RolloutRequest, run_seed: int) -> Plan:
+        """One round for every unfinished sample, of this step's prompts and the carried ones: each continues
+        from its tokens so far, with at most ``max_new_tokens_per_step`` more. The carried groups change only
+        at :meth:`commit` (when the step is done): a step that fails leaves them as they were."""
         n, total = request.sampling.n, request.sampling.max_new_tokens
         groups = [[sample.copy() for sample in group] for group in self.carried]
         groups += [
             [_Pending(row, ids) for _ in range(n)] for row, ids in zip(request.rows, request.prompt_ids, strict=True)
         ]
         todo = [(g, s) for g, group in enumerate(groups) for s, sample in enumerate(group) if not sample.finished]
-        if todo:
-            cap = min(self.max_new_tokens_per_step, total)
-            sampling = dataclasses.replace(request.sampling, n=1, max_new_tokens=cap)
-            pending = [groups[g][s] for g, s in todo]
-            # One seed per sample and round: the run's formula, keyed by the row, sample and tokens so far.
-            run_seed = service.setup.run_seed
-            seeds = [sampling_seed(run_seed, request.step, p.row, g, s, len(p.token_ids))
-                     for (g, s), p in zip(todo, pending, strict=True)]  # fmt: skip
-            continued = RolloutRequest(
-                rows=[p.row for p in pending], prompt_ids=[p.prompt_ids + p.token_ids for p in pending], seeds=seeds,
-                sampling=sampling, step=request.step, weights_version=request.weights_version,
-            )  # fmt: skip
-            for sample, out in zip(pending, service.generate(continued).groups, strict=True):
+        if not todo:
+            return Plan(None, 0, (groups, []))
+        cap = min(self.max_new_tokens_per_step, total)
+        sampling = dataclasses.replace(request.sampling, n=1, max_new_tokens=cap)
+        pending = [groups[g][s] for g, s in todo]
+        # One seed per sample and round: the run's formula, keyed by the row, sample and tokens so far.
+        seeds = [sampling_seed(run_seed, request.step, p.row, g, s, len(p.token_ids))
+                 for (g, s), p in zip(todo, pending, strict=True)]  # fmt: skip
+        continued = RolloutRequest(
+            rows=[p.row for p in pending], prompt_ids=[p.prompt_ids + p.token_ids for p in pending], seeds=seeds,
+            sampling=sampling, step=request.step, weights_version=request.weights_version,
+        )  # fmt: skip
+        return Plan(continued, len(pending), (groups, pending, total, request.weights_version))
+
+    def collect(
+        self, plan: Plan, generation: Generation | None, tokenizer, min_over_ranks: MinOverRanks
+    ) -> RolloutBatch:
+        """Groups finished now, from this step's prompts or earlier ones; data-parallel ranks train the same
+        number of groups (the fewest any rank finished)."""
+        groups, pending = plan.state[0], plan.state[1]
+        if generation is not None:
+            total, version = plan.state[2], plan.state[3]
+            for sample, out in zip(pending, generation.groups, strict=True):
                 new = out[0]
                 room = total - len(sample.token_ids)
                 sample.token_ids += new.token_ids[:room]
                 sample.logprobs += new.logprobs[:room]
+                sample.versions = (version if sample.versions[0] < 0 else sample.versions[0], version)
                 if new.finish_reason == "stop" or len(sample.token_ids) >= total:
                     sample.finished = True
                     sample.finish_reason = "stop" if new.finish_reason == "stop" else "length"
         done = [i for i, group in enumerate(groups) if all(s.finished for s in group)]
-        # Data-parallel ranks train the same number of groups: the fewest any rank finished.
-        lows, _ = service.strategy.all_reduce_min_max([float(len(done))])
-        take = done[: int(lows[0])]
+        take = done[: int(min_over_ranks([float(len(done))])[0])]
         taken = set(take)
         self._next = [group for i, group in enumerate(groups) if i not in taken]
         metrics = {
@@ -154,7 +154,8 @@ class PartialRollout(LongTailPolicy):
             "long_tail/finished_groups": float(len(take)),
         }
         samples = [(k, s.row, s.prompt_ids, s) for k, i in enumerate(take) for s in groups[i]]
-        return RolloutBatch.from_samples(samples, service.setup.tokenizer, metrics)
+        batch = RolloutBatch.from_samples(samples, tokenizer, metrics)
+        return dataclasses.replace(batch, versions=[s.versions for k, i in enumerate(take) for s in groups[i]])
 
     def commit(self) -> None:
         if self._next is not None:

@@ -1,87 +1,39 @@
 """The rollout service: what a step's rollout and reward call, between the module and the machinery.
 
-The module's steps call one object the strategy owns (``strategy.rollout``): :meth:`RolloutService.generate`
-for completions and :meth:`RolloutService.score` for rewards. Behind it, the long-tail policy decides
-how a request is generated, the placement where engines run, the controller who moves the data. Values
-flow down: the module hands the service a :class:`RolloutSetup` once (its policy, tokenizer, reward
-functions, long-tail policy, engine settings) and a :class:`RolloutRequest` per rollout; typed values come
-back (:class:`~yatt_lightning.rollout.batch.RolloutBatch`, :class:`Scores`). Nothing behind the service calls
-back into the module.
+The module's steps call one object the strategy owns (``strategy.rollout``): :meth:`RolloutService.rollout`
+for this rank's rollouts and :meth:`RolloutService.score` for their rewards. A rollout enters the service
+once, and the service calls each part once, straight down, in this order:
+
+1. the long-tail policy plans the request (:meth:`~yatt_lightning.rollout.longtail.LongTailPolicy.plan`);
+2. the engine gets the policy's current weights, where this rank hosts it (:meth:`engine_ready`);
+3. the placement generates (and, in partial colocation, judges) through the controller;
+4. the long-tail policy collects the results into a :class:`~yatt_lightning.rollout.batch.RolloutBatch`.
+
+Values flow down (:class:`~yatt_lightning.rollout.types.RolloutSetup` once, a
+:class:`~yatt_lightning.rollout.types.RolloutRequest` per rollout) and typed values come back, with the
+figures each part measured; nothing below the service receives it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, TokenRewardFunction
-from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from yatt_lightning.rollout.base import RolloutEngine
 from yatt_lightning.rollout.batch import RolloutBatch
-
-if TYPE_CHECKING:
-    from yatt_lightning.rollout.longtail import LongTailPolicy
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the policy's engine is started with, derived from the module's configuration; the engine's
-    own settings and how the two combine: :class:`~yatt_lightning.rollout.vllm_engine.VLLMEngine`."""
-
-    model_path: Path
-    seed: int
-    max_num_seqs: int
-    max_model_len: int
-    dtype: str
-
-
-@dataclass(frozen=True)
-class RolloutSetup:
-    """What the module hands the service once, when its model exists."""
-
-    policy: Any  # MegatronPolicy: export_hf (weight push), offload / onload (colocation)
-    tokenizer: Any
-    engine: EngineSpec
-    reward_functions: list[RewardFunction]
-    long_tail: LongTailPolicy
-    run_seed: int
-    critic: Any = None  # PPO's critic (a MegatronPolicy with a value head), offloaded with the policy
-
-
-@dataclass(frozen=True)
-class RolloutRequest:
-    """One rollout: this rank's rows, their prompt token ids and seeds, the sampling, and the step."""
-
-    rows: list[dict]
-    prompt_ids: list[list[int]]
-    seeds: list[int]
-    sampling: SamplingConfig
-    step: int
-    weights_version: int
-
-
-@dataclass(frozen=True)
-class Generation:
-    """Completions for a request's prompts (``None`` for a prompt whose group was not kept) and the scores
-    a placement computed while generating (partial colocation's judges), by reward function name."""
-
-    groups: list[list[Completion] | None]
-    judged: dict[str, RewardOutput] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Scores:
-    """A batch's rewards: the weighted sum per sample, metrics to log and, when a reward function gives
-    them, the weighted sum of per-token rewards (one tensor per sample over its completion tokens)."""
-
-    total: torch.Tensor
-    metrics: dict[str, float]
-    token_rewards: list[torch.Tensor] | None = None
+from yatt_lightning.rollout.types import (  # noqa: F401 (the types' former home: imported from here too)
+    EngineSpec,
+    Generation,
+    Plan,
+    RolloutRequest,
+    RolloutSetup,
+    Scores,
+)
 
 
 def combine(
@@ -106,14 +58,22 @@ def combine(
 
 
 class RolloutService:
-    """Generation and scoring for a strategy's module: the engine, the placement and the controller."""
+    """Generation and scoring for a strategy's module: the engine, the placement and the controller.
 
-    def __init__(self, strategy) -> None:
-        self.strategy = strategy
+    Args:
+        engine: The policy's rollout engine (on ranks that host one).
+        placement: Where engines and judges run; it generates through ``controller``.
+        controller: Who talks to engines, what crosses ranks.
+        offload_params: Also move the policy's parameters off the device while the engine runs (GPU).
+    """
+
+    def __init__(self, engine: RolloutEngine, placement, controller, offload_params: bool = False) -> None:
+        self.engine = engine
+        self.placement = placement
+        self.controller = controller
+        self.offload_params = offload_params
         self.setup: RolloutSetup | None = None
         self.engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
-        self.judged: dict[str, RewardOutput] = {}  # what the placement scored while generating this step
-        self.sync_seconds = 0.0  # the last weight push (wake, push, offload)
 
     def configure(self, setup: RolloutSetup) -> None:
         self.setup = setup
@@ -123,45 +83,47 @@ class RolloutService:
             raise RuntimeError("the rollout service was used before the module handed it its setup")
         return self.setup
 
-    @property
-    def engine(self) -> RolloutEngine:
-        return self.strategy.engine
-
     def mark_weights_stale(self) -> None:
         """The engine's weights no longer match the policy (restored from a checkpoint, say)."""
         self.engine_weights_version = None
 
     # ------------------------------------------------------------------ the two calls of a step
     def rollout(self, request: RolloutRequest) -> RolloutBatch:
-        """This rank's rollouts for ``request``, generated as the long-tail policy decides."""
-        return self._require_setup().long_tail.rollout(self, request)
+        """This rank's rollouts for ``request``: planned and collected by the long-tail policy, generated
+        by the placement; ``rank_figures`` carry the weight push's seconds and the placement's figures."""
+        setup = self._require_setup()
+        plan = setup.long_tail.plan(request, setup.run_seed)
+        generation, sync = self.generate(plan.request, plan.keep) if plan.request is not None else (None, 0.0)
+        batch = setup.long_tail.collect(plan, generation, setup.tokenizer, self.controller.min_over_ranks)
+        judged = generation.judged if generation is not None else {}
+        rank = {**(generation.rank_figures if generation is not None else {}), "sync": sync}
+        return dataclasses.replace(batch, judged=judged, rank_figures=rank)
 
-    def generate(self, request: RolloutRequest, keep: int | None = None) -> Generation:
-        """Completions for the request's prompts through the placement and the controller; with ``keep``, only
-        the first ``keep`` groups to finish (the others ``None``)."""
+    def generate(self, request: RolloutRequest, keep: int | None = None) -> tuple[Generation, float]:
+        """Completions for the request's prompts (the first ``keep`` groups to finish) through the placement,
+        and the seconds the weight push took on this rank."""
         keep = len(request.prompt_ids) if keep is None else keep
-        generation = self.strategy.placement.generate(self, request, keep)
-        self.judged = generation.judged  # consumed by the step's score()
-        return generation
+        hosts = self.placement.hosts_policy_engine()
+        with self.engine_ready(request.weights_version) if hosts else _no_engine() as (engine, sync):
+            return self.placement.generate(request, keep, engine), sync
 
     def score(self, batch: RolloutBatch) -> Scores:
         """This rank's rewards (through the controller), using what the placement already judged while
-        generating; the end of the rollout + reward phase."""
-        functions = self._require_setup().reward_functions
-        placement = self.strategy.placement
-        judged, self.judged = self.judged, {}
-        with placement.scoring(functions):
+        generating (``batch.judged``); the end of the rollout + reward phase."""
+        setup = self._require_setup()
+        functions = setup.reward_functions
+        with self.placement.scoring(functions) as figures:
             per_token = any(isinstance(fn, TokenRewardFunction) for fn in functions)
-            scores = self.strategy.controller.score(
-                batch, lambda part: combine(functions, part, judged), token_rewards=per_token
+            scores = self.controller.score(
+                batch, lambda part: combine(functions, part, batch.judged), per_token, setup.tokenizer
             )
-            placement.record_memory("reward")
-        return scores
+        return Scores(scores.total, scores.metrics, scores.token_rewards, {**scores.rank_figures, **figures})
 
     # ------------------------------------------------------------------ the engine around a rollout
     @contextlib.contextmanager
-    def engine_ready(self, weights_version: int) -> Iterator[RolloutEngine]:
-        """Engine awake with the policy's current weights; training memory released while inside (GPU).
+    def engine_ready(self, weights_version: int) -> Iterator[tuple[RolloutEngine, float]]:
+        """Engine awake with the policy's current weights, and the seconds that took; training memory
+        released while inside (GPU).
 
         Order on a GPU: wake the engine, push the weights (the policy's parameters are still resident),
         offload the training state, generate; then put the engine to sleep. The training state comes back
@@ -175,10 +137,9 @@ class RolloutService:
             self.engine_weights_version = weights_version
         for model in (setup.policy, setup.critic):
             if model is not None:
-                model.offload(params=self.strategy.offload_params)
-        self.sync_seconds = time.perf_counter() - t0
+                model.offload(params=self.offload_params)
         try:
-            yield self.engine
+            yield self.engine, time.perf_counter() - t0
         finally:
             self.engine.sleep()
 
@@ -190,10 +151,7 @@ class RolloutService:
             if model is not None:
                 model.onload()
 
-    def groups_to_batch(
-        self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict[str, float] | None = None
-    ) -> RolloutBatch:
-        """A batch of the kept groups' samples, in prompt order (the layout every controller relies on);
-        ``metrics``: the long-tail policy's figures of how it was generated."""
-        samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
-        return RolloutBatch.from_samples(samples, self._require_setup().tokenizer, metrics)
+
+@contextlib.contextmanager
+def _no_engine() -> Iterator[tuple[None, float]]:
+    yield None, 0.0

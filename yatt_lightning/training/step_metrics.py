@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,27 +31,45 @@ class StepStats:
 _ACTOR_KEYS = ("pg_loss", "kl", "clip_fraction", "entropy", "ratio", "grad_norm")
 
 
-def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None, figures: dict[str, float]) -> StepStats:
+@dataclass(frozen=True)
+class StepContext:
+    """What :func:`step_stats` needs besides the step's values: who reduces (the controller, over every
+    rank), whether this rank counts its group's samples, the reward figures every rank reports (the same
+    keys on every rank), how many samples to show, and the learning rate of the step's update."""
+
+    controller: Any
+    is_model_parallel_head: bool
+    world_size: int
+    reward_keys: list[str]
+    log_samples: int
+    lr: float
+
+
+def step_stats(
+    context: StepContext,
+    rollouts: RolloutBatch,
+    reward_metrics: dict[str, float],
+    stats: dict[str, float] | None,
+    figures: dict[str, float],
+    times: dict[str, float],
+    rank_figures: dict[str, float],
+) -> StepStats:
     """Collective: rollout and reward statistics every step; actor statistics when the step updated the
     policy (dynamic sampling can end a step without an update); each rank's idle time and, per stage, memory.
-    ``stats``: what ``update`` returned; ``figures``: the step's other components' figures (the long-tail
-    policy's, in ``RolloutBatch.metrics``, and dynamic sampling's), logged as they are named."""
-    strategy = module.trainer.strategy
-    controller = strategy.controller
+    ``reward_metrics``: the scores' metrics (``Scores.metrics``); ``stats``: what ``update`` returned;
+    ``figures``: the step's other components' figures (the long-tail policy's, in ``RolloutBatch.metrics``,
+    and dynamic sampling's), logged as they are named; ``times``: the phases' seconds; ``rank_figures``:
+    this rank's own (idle seconds, memory per stage), logged per rank."""
+    controller = context.controller
     rewards = rollouts.rewards
     lengths = rollouts.response_lengths()
     # The ranks of a model-parallel group hold the same rollouts: count them once, at the group's head.
-    w = 1.0 if strategy.is_model_parallel_head else 0.0
-    # The same keys on every rank (a rank may not have seen some metric this step).
-    names = sorted(
-        {f"reward/{fn.name}/sum" for fn in module.reward_functions}
-        | {k for fn in module.reward_functions for k in fn.metric_names()}
-        | ({"reward/shaping/sum"} if module.reward_shaping is not None else set())
-    )
+    w = 1.0 if context.is_model_parallel_head else 0.0
+    names = context.reward_keys
     diff = stats["logprob_diff_max"] if stats else 0.0
     local = torch.tensor(
         [w * rewards.sum(), w * (rewards**2).sum(), w * len(rewards), w * lengths.sum(), lengths.max(), diff]
-        + [w * module.reward_metrics.get(k, 0.0) for k in names],
+        + [w * reward_metrics.get(k, 0.0) for k in names],
         dtype=torch.float64,
     )
     maxes = controller.all_reduce(local[[4, 5]].clone(), op=torch.distributed.ReduceOp.MAX)
@@ -59,7 +78,6 @@ def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None, f
     r_sum, r_sq, count, len_sum, len_max, lp_diff = local[:6].tolist()
     extra = dict(zip(names, local[6:].tolist(), strict=True))
     mean = r_sum / count
-    times = module.phase_times
     metrics = {
         "reward/mean": mean,
         "reward/std": math.sqrt(max(r_sq / count - mean**2, 0.0)),
@@ -75,28 +93,28 @@ def step_stats(module, rollouts: RolloutBatch, stats: dict[str, float] | None, f
             metrics[key] = value
     if stats is not None:
         metrics.update({f"actor/{k}": stats[k] for k in _ACTOR_KEYS})
-        metrics["actor/lr"] = module.optimizer_settings.lr_at(max(module.trainer.global_step - 1, 0))
+        metrics["actor/lr"] = context.lr
         metrics["rollout/logprob_diff_max"] = lp_diff
         metrics.update({k: v for k, v in stats.items() if "/" in k})
     metrics.update(figures)
     metrics.update({f"time/{k}": v for k, v in times.items()})
-    metrics.update(_per_rank(strategy, times))
+    metrics.update(_per_rank(context.world_size, times, rank_figures))
     samples = [
         (rollouts.prompts[i], rollouts.completions[i], float(rollouts.rewards[i]))
-        for i in range(min(module.log_samples, len(rollouts)))
+        for i in range(min(context.log_samples, len(rollouts)))
     ]
     progress = {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]}
     return StepStats(metrics, progress, samples, max(int(count), 1))
 
 
-def _per_rank(strategy, times: dict[str, float]) -> dict[str, float]:
+def _per_rank(world_size: int, times: dict[str, float], rank_figures: dict[str, float]) -> dict[str, float]:
     """Each rank's idle time in the rollout + reward phase, and the memory it held at each stage."""
-    placement = strategy.placement
     keys = ["memory/reward_rss_gb", "memory/rollout_rss_gb"]  # the same on every rank; 0 where not measured
     phase = times["rollout"] + times["sync"] + times["reward"]
-    mine = torch.tensor([placement.idle, phase] + [placement.memory.get(k, 0.0) for k in keys], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(strategy.world_size)]
-    if strategy.world_size > 1:
+    idle = rank_figures.get("idle", 0.0)  # noqa: the one optional figure (0 where a rank did not wait)
+    mine = torch.tensor([idle, phase] + [rank_figures.get(k, 0.0) for k in keys], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    if world_size > 1:
         torch.distributed.all_gather(every, mine)
     else:
         every = [mine]

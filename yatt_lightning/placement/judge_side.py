@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.placement import stream
+from yatt_lightning.placement.base import memory, rank
+from yatt_lightning.placement.pairing import Pairing
 from yatt_lightning.rewards.base import RewardError, RewardOutput
 from yatt_lightning.rewards.genrm import GenerativeRewardModel
-
-if TYPE_CHECKING:
-    from yatt_lightning.placement.partial import PartialColocation
-    from yatt_lightning.rollout.service import Generation, RolloutRequest, RolloutService
+from yatt_lightning.rollout.types import Generation, RolloutRequest
 
 
 @dataclass
@@ -71,15 +69,15 @@ class _Judging:
         return out
 
 
-def judge_side(placement: PartialColocation, service: RolloutService, request: RolloutRequest) -> Generation:
+def judge_side(pairing: Pairing, judges: list[GenerativeRewardModel], request: RolloutRequest) -> Generation:
     """Receive groups as they finish and keep the judge's engine busy with all of them at once (continuous
     batching: new judgments join the running batch between engine steps). Returns this rank's own groups
     with their scores; the rollout rank's scores go back to it."""
 
-    rank, group = service.strategy.global_rank, placement.group
-    source = placement.partner_rollout(rank)
-    judges = placement.judges(service.setup.reward_functions)
-    batch = placement.judge_batch(rank, len(request.prompt_ids), request.sampling.n)
+    me, group = rank(), pairing.group
+    source = pairing.partner_rollout(me)
+    batch = pairing.judge_batch(me, len(request.prompt_ids), request.sampling.n)
+    idle = 0.0
     for genrm in judges:
         genrm.engine.wake_up()
     state = _Judging(judges)
@@ -92,7 +90,7 @@ def judge_side(placement: PartialColocation, service: RolloutService, request: R
             while not done and (incoming.ready() or (not busy and state.held_samples() < batch)):
                 t0 = time.perf_counter()
                 message = incoming.take()
-                placement.idle += time.perf_counter() - t0
+                idle += time.perf_counter() - t0
                 if isinstance(message, stream.EndOfStream):
                     done = True
                     break
@@ -110,17 +108,16 @@ def judge_side(placement: PartialColocation, service: RolloutService, request: R
             if isinstance(err, RewardError)
             else RewardError(f"reward function {judges[0].name} raised {type(err).__name__}: {err}")
         )
-        stream.tell_failure(error, rank, source, group)
+        stream.tell_failure(error, me, source, group)
         raise error from err
     for genrm in judges:
         genrm.engine.sleep()
-    placement.record_memory("reward")
-    return _route(placement, rank, source, judges, state.groups, outputs, len(request.prompt_ids))
+    generation = _route(pairing, me, source, judges, state.groups, outputs, len(request.prompt_ids))
+    return Generation(generation.groups, generation.judged, {"idle": idle, **memory("reward")})
 
 
-def _route(placement, rank, source, judges, groups, outputs, n_prompts) -> Generation:
+def _route(pairing: Pairing, rank, source, judges, groups, outputs, n_prompts) -> Generation:
     """Keep this rank's own groups and scores; send the rollout rank the scores of its groups."""
-    from yatt_lightning.rollout.service import Generation
 
     mine, own, theirs = {}, {g.name: {} for g in judges}, {g.name: {} for g in judges}
     totals: dict[str, dict[str, float]] = {g.name: {} for g in judges}
@@ -136,7 +133,7 @@ def _route(placement, rank, source, judges, groups, outputs, n_prompts) -> Gener
                 theirs[genrm.name][finished.index] = out.scores
             else:  # its scores would reach no one: a routing bug, not bad input
                 raise RuntimeError(f"rank {rank} received rank {finished.owner}'s group from rank {source}")
-    for req in stream.send(stream.JudgedScores(theirs), source, placement.group):
+    for req in stream.send(stream.JudgedScores(theirs), source, pairing.group):
         req.wait()
     kept = [i for i in range(n_prompts) if i in mine]
     judged = {g.name: RewardOutput([s for i in kept for s in own[g.name][i]], totals[g.name]) for g in judges}
