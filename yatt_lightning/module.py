@@ -34,6 +34,7 @@ from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices  # noqa
 from yatt_lightning.rollout.dynamic_sampling import DynamicSampling
 from yatt_lightning.rollout.longtail import LongTailPolicy, WaitForAll
 from yatt_lightning.rollout.types import EngineSpec, RolloutRequest, RolloutSetup, Scores
+from yatt_lightning.training.async_steps import AsyncSteps, StepCounter
 from yatt_lightning.training.critic import Critic
 from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
@@ -45,7 +46,7 @@ from yatt_lightning.training.update import PolicyUpdate
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
-class RLHFModule(PolicyUpdate, pl.LightningModule):
+class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
     """GRPO-style RL post-training of a Megatron-Core policy.
 
     Args:
@@ -197,6 +198,15 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.prompt_format = self.prompt_format_for(path, self.tokenizer)
+        if self.trainer.strategy.role == "rollout":  # a disaggregated rollout rank: no Megatron model here
+            self._check_disaggregated()
+            from transformers import AutoConfig
+
+            from yatt_lightning.models import vlm
+
+            self.images = ImageInputs(path) if vlm.is_vision_language(AutoConfig.from_pretrained(path)) else None
+            self.trainer.strategy.rollout.configure(self._rollout_setup())
+            return
         dtype = self.policy_spec.torch_dtype()
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
         if self.kl_coef > 0:
@@ -218,19 +228,36 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
         callbacks[:] = first + [cb for cb in callbacks if not isinstance(cb, StepLogger)]
 
     @override
-    def configure_optimizers(self) -> MegatronOptimizerAdapter:
+    def configure_optimizers(self) -> MegatronOptimizerAdapter | StepCounter:
+        if self.trainer.strategy.role == "rollout":
+            return StepCounter()
+        if self.trainer.strategy.role == "train":
+            self._check_disaggregated()
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
+
+    def _check_disaggregated(self) -> None:
+        """What the disaggregated placement does not run yet, refused before any engine starts."""
+        for key, value in (("dynamic_sampling", self.dynamic_sampling), ("critic", self.critic)):
+            if value is not None:
+                raise ValueError(
+                    f"`model.{key}` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
+                    "remove it or use FullColocation."
+                )
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Rollouts waiting across steps (dynamic sampling's buffer, partial rollouts) resume with the run.
-        for key, part in (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail)):
+        placement = self.trainer.strategy.placement
+        parts = (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail), ("placement", placement))
+        for key, part in parts:
             if hasattr(part, "state_dict"):
                 checkpoint[f"yatt_{key}"] = part.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        for key, part in (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail)):
+        placement = self.trainer.strategy.placement
+        parts = (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail), ("placement", placement))
+        for key, part in parts:
             if hasattr(part, "load_state_dict") and f"yatt_{key}" in checkpoint:
                 part.load_state_dict(checkpoint[f"yatt_{key}"])
 
@@ -250,6 +277,10 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
     @override
     def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
+        if strategy.role == "rollout":
+            return self.produce_step(batch)
+        if strategy.role == "train":
+            return self.consume_step(batch)
         t0 = time.perf_counter()
         error, rollouts, scores, t1 = None, None, None, t0
         try:
@@ -268,15 +299,21 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
         if len(rollouts) == 0:
             self.commit_step_state()
             return None
-        return self.train_on(rollouts, scores, waited, (t0, t1, t2))
+        rank = {**rollouts.rank_figures, **scores.rank_figures}
+        sync = rank.pop("sync", 0.0)
+        rank["idle"] = rank.pop("idle", 0.0) + waited  # the placement's waiting and the end of scoring
+        times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1}
+        return self.train_on(rollouts, scores.metrics, times, rank)
 
-    def train_on(self, rollouts: RolloutBatch, scores: Scores, waited: float, marks: tuple) -> dict:
+    def train_on(
+        self, rollouts: RolloutBatch, reward_metrics: dict, times: dict, rank: dict, figures: dict | None = None
+    ) -> dict:
         """Advantage and update on the scored ``rollouts`` (after dynamic sampling), and the step's figures:
-        ``waited``: this rank's seconds at the end of scoring; ``marks``: the step's start, the end of the
-        rollout and the end of scoring (``time.perf_counter``)."""
+        ``reward_metrics``: the scores' metrics; ``times``: the seconds of the rollout, sync and reward phases;
+        ``rank``: this rank's own figures (idle seconds, memory); ``figures``: more, logged as named."""
         strategy = self.trainer.strategy
-        t0, t1, t2 = marks
-        figures = dict(rollouts.metrics)  # the components' own figures of the step, logged as named
+        t2 = time.perf_counter()
+        figures = {**rollouts.metrics, **(figures or {})}  # the components' own figures, logged as named
         train_on: RolloutBatch | None = rollouts
         if self.dynamic_sampling is not None:
             sampled = self.dynamic_sampling.step(rollouts, strategy.all_reduce_min_max)
@@ -288,16 +325,11 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
             figures.update(kl_figures)
             advantages = Advantages.of(self.advantage(train_on, inputs), len(train_on))
             stats = self.update(train_on, advantages)
-        t3 = time.perf_counter()
-        rank = {**rollouts.rank_figures, **(scores.rank_figures if scores is not None else {})}
-        sync = rank.pop("sync", 0.0)  # a batch that crossed from another rank had no push here
-        rank["idle"] = rank.pop("idle", 0.0) + waited  # the placement's waiting and the end of scoring
-        times = {"rollout": t1 - t0 - sync, "sync": sync, "reward": t2 - t1, "train": t3 - t2, "step": t3 - t0}
+        train = time.perf_counter() - t2
+        times = {**times, "train": train, "step": times["rollout"] + times["sync"] + times["reward"] + train}
         self.commit_step_state()
         self.last_rollouts = rollouts
-        summary = step_stats(
-            self.step_context(), rollouts, scores.metrics if scores is not None else {}, stats, figures, times, rank
-        )
+        summary = step_stats(self.step_context(), rollouts, reward_metrics, stats, figures, times, rank)
         return {"reward_mean": float(rollouts.rewards.mean()), "stats": summary}
 
     def step_context(self) -> StepContext:
@@ -309,9 +341,9 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
             | ({"reward/shaping/sum"} if self.reward_shaping is not None else set())
         )
         lr = self.optimizer_settings.lr_at(max(self.trainer.global_step - 1, 0))
-        return StepContext(
-            strategy.controller, strategy.is_model_parallel_head, strategy.world_size, keys, self.log_samples, lr
-        )
+        group = strategy.controller.group
+        size = torch.distributed.get_world_size(group) if strategy.world_size > 1 else 1
+        return StepContext(strategy.controller, strategy.is_model_parallel_head, size, keys, self.log_samples, lr)
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
@@ -350,7 +382,7 @@ class RLHFModule(PolicyUpdate, pl.LightningModule):
     def tokenize_batch(self, batch: list[dict]) -> list[list[int]]:
         """Prompt token ids of this rank's rows. Collective: a prompt that fails to tokenize (too long, say)
         on one rank raises on every rank, before any rank enters the rollout's collectives."""
-        with fail_together():
+        with fail_together(self.trainer.strategy.controller.group):
             return [self.tokenize_prompt(row) for row in batch]
 
     # ------------------------------------------------------------------ hooks

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from yatt_lightning.distributed import failures
+from yatt_lightning.distributed import failures, training_world
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
 from yatt_lightning.rollout.base import RolloutEngine
@@ -102,14 +102,20 @@ class MegatronStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group
         self._init_megatron()
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        self.placement.check(self.world_size, tp, pp)
         self.placement.controller = self.controller
+        roles = self.placement.roles(self.world_size)
+        if len(roles) > 1:  # each role's step collectives span its own ranks only
+            groups = [torch.distributed.new_group(ranks) for ranks in roles]
+            self.controller.group = next(g for g, r in zip(groups, roles, strict=True) if self.global_rank in r)
+            trains = self.global_rank in roles[0]  # the trainers come first
+            training_world.set_training_ranks(len(roles[0]) if trains else None, groups[0] if trains else None)
 
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
 
-        tp, pp, world = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        self.placement.check(self.world_size, tp, pp)
+        world = self.placement.training_world(self.world_size)  # the ranks that train (disaggregated: some)
         if world % (tp * pp):
             raise ValueError(
                 f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
@@ -121,12 +127,16 @@ class MegatronStrategy(DDPStrategy):
                     "Megatron's parallel state is already initialised with a different layout in this process."
                 )
             return
+        training_world.set_training_ranks(world if world < self.world_size else None)
         with megatron_cpu_context():
             # tp fastest, then pp, then dp: each model-parallel group is a block of consecutive ranks,
             # which is how vLLM's external launcher groups the ranks of one tensor-parallel engine.
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp"
             )
+        if self.global_rank >= world:
+            log.info("rank %d: a rollout rank, outside Megatron's %d training ranks", self.global_rank, world)
+            return
         log.info(
             "Megatron parallel state: world=%d tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
             world, tp, pp, world // (tp * pp), self.global_rank, ps.get_tensor_model_parallel_rank(),
@@ -134,10 +144,15 @@ class MegatronStrategy(DDPStrategy):
         )  # fmt: skip
 
     @property
+    def role(self) -> str:
+        """``train``, ``rollout`` (a disaggregated placement's two sides) or ``colocated`` (both, in turn)."""
+        return getattr(self.placement, "role", "colocated")
+
+    @property
     def data_parallel_rank(self) -> int:
         from megatron.core import parallel_state as ps
 
-        return ps.get_data_parallel_rank()
+        return ps.get_data_parallel_rank() if self.role != "rollout" else 0
 
     @property
     def is_model_parallel_head(self) -> bool:
@@ -146,12 +161,16 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        world = self.placement.training_world(self.world_size)
+        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard data by data-parallel rank: the ranks of one model-parallel group share their data.
+        # Shard data by data-parallel rank: the ranks of one model-parallel group share their data; in a
+        # disaggregated placement, the rollout ranks own the rows.
+        if self.role != "colocated":
+            return self.placement.sampler()
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     # ------------------------------------------------------------------ set-up and teardown
@@ -163,6 +182,8 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.role != "colocated":
+            _unsynchronised_sigterm(trainer)
         if not self._engine_started:
             if self.rollout.setup is None:
                 raise RuntimeError(
@@ -195,7 +216,7 @@ class MegatronStrategy(DDPStrategy):
         """Collective end of the rollout + reward phase: raises everywhere if any rank failed; returns the
         seconds spent here waiting for slower ranks (this rank's idle time)."""
         t0 = time.perf_counter()
-        failures.agree(error)
+        failures.agree(error, self.controller.group)
         return time.perf_counter() - t0
 
     def all_reduce_min_max(self, values: list[float]) -> tuple[list[float], list[float]]:
@@ -203,8 +224,8 @@ class MegatronStrategy(DDPStrategy):
         low = torch.tensor(values, dtype=torch.float64)
         high = low.clone()
         if self.world_size > 1:
-            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
-            torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.controller.group)
+            torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.controller.group)
         return low.tolist(), high.tolist()
 
     # ------------------------------------------------------------------ checkpoints
@@ -250,3 +271,16 @@ class MegatronStrategy(DDPStrategy):
 
         if self.is_global_zero:
             ckpt.remove(filepath)
+
+
+def _unsynchronised_sigterm(trainer) -> None:
+    """Lightning broadcasts a SIGTERM flag from rank 0 before every step, which makes every rank meet every
+    step. The two sides of a disaggregated placement must not meet: each handles a SIGTERM where it lands
+    (and tells the other side through its channel as it fails)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def local_check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = local_check

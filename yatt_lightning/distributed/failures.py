@@ -102,9 +102,9 @@ class NonFiniteLossError(FloatingPointError):
     """The policy loss became NaN or infinite."""
 
 
-def check_finite(outputs: list[dict], step: int, what: str = "the policy loss") -> None:
-    """Collective: a NaN/inf loss in any micro-batch (``outputs[i]["finite"]``) on any rank stops every rank;
-    ``what``: the loss, as the message names it."""
+def check_finite(outputs: list[dict], step: int, what: str = "the policy loss", group=None) -> None:
+    """Collective over ``group`` (default: all ranks): a NaN/inf loss in any micro-batch (``outputs[i]["finite"]``)
+    on any rank stops every rank; ``what``: the loss, as the message names it."""
     bad = sum(1 for o in outputs if not bool(o["finite"]))
     error = None
     if bad:
@@ -112,4 +112,4 @@ def check_finite(outputs: list[dict], step: int, what: str = "the policy loss") 
             f"{what} is NaN/inf at step {step} ({bad} micro-batches). Check the rewards (finite?), "
             "lower `model.optimizer.lr`, or keep `model.optimizer.clip_grad` > 0."
         )
-    agree(error)
+    agree(error, group)

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-CATEGORIES = ("rollout", "gradients", "control")
+CATEGORIES = ("rollout", "gradients", "control", "weights")
 ENV = "YATT_WIRE_COUNT"
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from yatt_lightning.distributed.training_world import training_world
+
 MEGATRON_CORE_VERSION = "0.16.1"
 
 
@@ -254,15 +256,17 @@ def _exit() -> None:
 
 @contextlib.contextmanager
 def megatron_cpu_context() -> Iterator[None]:
-    """Run the enclosed Megatron code on the CPU; a no-op when CUDA is available. Re-entrant."""
-    if not cpu_mode():
-        yield
-        return
-    _enter()
-    try:
-        yield
-    finally:
-        _exit()
+    """Run the enclosed Megatron code on the CPU (a no-op when CUDA is available), over the training ranks
+    only when some ranks do not train (:mod:`~yatt_lightning.distributed.training_world`). Re-entrant."""
+    with training_world():
+        if not cpu_mode():
+            yield
+            return
+        _enter()
+        try:
+            yield
+        finally:
+            _exit()
 
 
 # ---------------------------------------------------------------------------------------------

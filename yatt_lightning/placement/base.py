@@ -23,6 +23,14 @@ class Placement:
     def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
         """Raise a ValueError naming the key if this placement cannot serve the layout."""
 
+    def roles(self, world: int) -> list[list[int]]:
+        """The groups of ranks whose steps run together (one: every rank does every stage)."""
+        return [list(range(world))]
+
+    def training_world(self, world: int) -> int:
+        """How many ranks train (the first ones)."""
+        return world
+
     def hosts_policy_engine(self) -> bool:
         """True on ranks that run the policy's engine (the service readies it there before generating)."""
         return True

@@ -55,7 +55,10 @@ def first_to_finish(engine, request: RolloutRequest, keep: int) -> Iterator[tupl
 
 
 class Controller:
-    """Base class: who talks to engines and what crosses ranks. It holds nothing of the strategy's."""
+    """Base class: who talks to engines and what crosses ranks. It holds nothing of the strategy's;
+    ``group``: the ranks a step's collectives span (``None``: all; a disaggregated placement's role)."""
+
+    group = None
 
     def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
         """Raise a ValueError naming the key if this controller cannot serve the layout."""
@@ -93,7 +96,7 @@ class Controller:
     def all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
         """Reduce logging scalars over all ranks (in place; nothing to do on one process)."""
         if _world() > 1:
-            torch.distributed.all_reduce(tensor, op=op)
+            torch.distributed.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
 
@@ -109,8 +112,10 @@ class ParallelController(Controller):
     def score(self, batch, score_fn, token_rewards, tokenizer) -> Scores:
         from megatron.core import parallel_state as ps
 
+        if _world() == 1 or not ps.model_parallel_is_initialized():  # one process; a rank that only generates
+            return score_fn(batch)
         group = ps.get_model_parallel_group()
-        if _world() == 1 or torch.distributed.get_world_size(group) == 1:
+        if torch.distributed.get_world_size(group) == 1:
             return score_fn(batch)
         head = torch.distributed.get_process_group_ranks(group)[0]
         scores = Scores(torch.empty(len(batch)), {})  # the other ranks of the group get the totals only

@@ -132,7 +132,7 @@ class RolloutService:
         setup = self._require_setup()
         t0 = time.perf_counter()
         self.engine.wake_up()
-        if self.engine_weights_version != weights_version:
+        if setup.policy is not None and self.engine_weights_version != weights_version:  # none: weights come from a trainer
             self.engine.push_weights(setup.policy.export_hf())
             self.engine_weights_version = weights_version
         for model in (setup.policy, setup.critic):

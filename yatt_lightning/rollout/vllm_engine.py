@@ -352,3 +352,20 @@ def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, 
     tokens = max_num_seqs * math.ceil(max_model_len / block) * block
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
     return max(4 << 20, math.ceil(tokens * per_token * 1.25 / (1 << 20)) << 20)
+
+
+def join_engine_groups() -> None:
+    """On a rank that runs no engine while others start theirs (disaggregated trainers): take part in the
+    process groups vLLM builds over the whole world when an in-process engine starts (it waits for every
+    rank), as a tensor-parallel-1 engine's worker would, without loading a model."""
+    from yatt_lightning.rollout import vllm_shutdown
+
+    set_vllm_env()
+    vllm_shutdown.keep_trainer_process_group()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    rank = torch.distributed.get_rank()
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(1, rank, "env://", rank, "gloo")
+        parallel_state.ensure_model_parallel_initialized(1, 1)

@@ -47,3 +47,4 @@ def shutdown_engine(llm) -> None:
     keep_trainer_process_group()
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
+

@@ -21,6 +21,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.step_index = step_index
         self.last_grad_norm = float("nan")
         self.last_applied = False
+        self.count_only = False  # a step Lightning counts but that applies nothing (a dropped batch)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -28,6 +29,8 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.count_only:
+            return loss
         step = self.step_index()
         self.last_applied, self.last_grad_norm = self.policy.optimizer_step(step)
         for group in self.param_groups:

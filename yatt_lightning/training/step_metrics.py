@@ -98,7 +98,7 @@ def step_stats(
         metrics.update({k: v for k, v in stats.items() if "/" in k})
     metrics.update(figures)
     metrics.update({f"time/{k}": v for k, v in times.items()})
-    metrics.update(_per_rank(context.world_size, times, rank_figures))
+    metrics.update(_per_rank(context.world_size, times, rank_figures, controller.group))
     samples = [
         (rollouts.prompts[i], rollouts.completions[i], float(rollouts.rewards[i]))
         for i in range(min(context.log_samples, len(rollouts)))
@@ -107,15 +107,14 @@ def step_stats(
     return StepStats(metrics, progress, samples, max(int(count), 1))
 
 
-def _per_rank(world_size: int, times: dict[str, float], rank_figures: dict[str, float]) -> dict[str, float]:
+def _per_rank(world_size: int, times: dict[str, float], rank_figures: dict[str, float], group=None) -> dict[str, float]:
     """Each rank's idle time in the rollout + reward phase, and the memory it held at each stage."""
     keys = ["memory/reward_rss_gb", "memory/rollout_rss_gb"]  # the same on every rank; 0 where not measured
     phase = times["rollout"] + times["sync"] + times["reward"]
-    idle = rank_figures.get("idle", 0.0)  # noqa: the one optional figure (0 where a rank did not wait)
-    mine = torch.tensor([idle, phase] + [rank_figures.get(k, 0.0) for k in keys], dtype=torch.float64)
+    mine = torch.tensor([rank_figures["idle"], phase] + [rank_figures.get(k, 0.0) for k in keys], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world_size)]
     if world_size > 1:
-        torch.distributed.all_gather(every, mine)
+        torch.distributed.all_gather(every, mine, group=group)
     else:
         every = [mine]
     out = {}

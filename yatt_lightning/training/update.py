@@ -92,7 +92,7 @@ class PolicyUpdate:
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
                 first_forward = False
-                check_finite(outputs, self.trainer.global_step)
+                check_finite(outputs, self.trainer.global_step, group=self.trainer.strategy.controller.group)
                 step = self.trainer.global_step
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
                 with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters

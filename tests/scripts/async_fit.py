@@ -1,0 +1,92 @@
+"""Run ``yatt fit`` (the real CLI) and record, per step, what was trained on; for the asynchronous tests.
+
+    python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--fail-at STEP] [yatt CLI overrides...]
+
+Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
+and the async figures) and OUT_DIR/weights.safetensors (the final policy under Hugging Face names).
+``--slow-train``: every training step sleeps that long first (a slow consumer). ``--fail-at``: the
+reward raises at that step on the rank that scores (a failing rollout rank).
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pathlib import Path  # noqa: E402
+
+from lightning.pytorch import Callback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+FAIL_AT = {"step": -1}
+
+
+def failing_reward(prompt: str, completion: str, **row) -> float:
+    """The alphabet reward, raising at ``--fail-at``'s step (where the rows say so)."""
+    from yatt_lightning.rewards.rules import alphabet_reward
+
+    if row.get("_fail"):
+        raise RuntimeError("the reward service is down (injected)")
+    return alphabet_reward(prompt, completion, **row)
+
+
+class Record(Callback):
+    def __init__(self, out: Path, slow: float, fail_at: int) -> None:
+        self.out, self.slow, self.fail_at, self.steps = out, slow, fail_at, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        role = trainer.strategy.role
+        if self.slow and role != "rollout":
+            time.sleep(self.slow)
+        if batch_idx == self.fail_at and role != "train":
+            for row in batch:
+                row["_fail"] = True
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.role == "rollout" or outputs is None:
+            return
+        rollouts = module.last_rollouts
+        scalars = outputs["stats"].scalars
+        self.steps.append({
+            "completions": [list(c) for c in rollouts.completion_ids],
+            "rewards": rollouts.rewards.tolist(),
+            "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
+        })  # fmt: skip
+
+    def on_train_end(self, trainer, module) -> None:
+        if trainer.strategy.role == "rollout":
+            return
+        weights = {name: t.clone() for name, t in module.policy.export_hf()}  # collective over the trainers
+        if trainer.global_rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(weights, str(self.out / "weights.safetensors"))
+            (self.out / "steps.json").write_text(json.dumps(self.steps))
+
+
+def main() -> None:
+    from _common import build_cli
+
+    out, args = Path(sys.argv[1]), sys.argv[2:]
+    slow = float(args[args.index("--slow-train") + 1]) if "--slow-train" in args else 0.0
+    fail_at = int(args[args.index("--fail-at") + 1]) if "--fail-at" in args else -1
+    for flag in ("--slow-train", "--fail-at"):
+        if flag in args:
+            i = args.index(flag)
+            del args[i : i + 2]
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [f"--trainer.logger.init_args.save_dir={out / 'tb'}"] + args
+    if fail_at >= 0:
+        overrides += ["--model.init_args.reward_fn=tests.scripts.async_fit.failing_reward"]
+    cli = build_cli(overrides, logger=True, config=str(REPO / "configs" / "grpo_async_tiny.yaml"))
+    cli.trainer.callbacks.append(Record(out, slow, fail_at))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Asynchronous RL on the disaggregated placement: pure parts, then real 2-process runs of ``yatt fit``."""
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.helpers import REPO, read_scalars, run
+from yatt_lightning.placement import Disaggregated
+from yatt_lightning.placement.weight_channel import pack, unpack
+
+SCRIPT = REPO / "tests" / "scripts" / "async_fit.py"
+
+
+# ---------------------------------------------------------------------------------------------- pure
+def test_the_layout_and_its_keys_are_checked_naming_the_key():
+    placement = Disaggregated()
+    placement.check(4, 1, 1)
+    assert (placement.trainers, placement.rollout) == ([0, 1], [2, 3])
+    assert placement.serves(2) == [0] and placement.serves(3) == [1]
+    assert [placement.source(t) for t in (0, 1)] == [2, 3]
+    one = Disaggregated(rollout_ranks=[3])
+    one.check(4, 1, 1)
+    assert one.trainers == [0, 1, 2] and one.serves(3) == [0, 1, 2]
+    cases = [
+        (dict(max_staleness=-1), "max_staleness"),
+        (dict(on_stale="skip"), "on_stale"),
+        (dict(on_stale="drop", fixed_lag=True), "fixed_lag"),
+        (dict(max_staleness=1, publish_every=3), "publish_every"),
+        (dict(fixed_lag=True, publish_every=2), "publish_every"),
+    ]
+    for kwargs, key in cases:
+        with pytest.raises(ValueError, match=key):
+            Disaggregated(**kwargs)
+    with pytest.raises(ValueError, match="rollout_ranks.*last ranks"):
+        Disaggregated(rollout_ranks=[0]).check(2, 1, 1)
+    with pytest.raises(ValueError, match="rollout_ranks.*must divide"):
+        Disaggregated(rollout_ranks=[1, 2]).check(3, 1, 1)
+    with pytest.raises(ValueError, match="does not divide the 1 trainer"):
+        Disaggregated().check(2, 2, 1)
+
+
+def test_weights_travel_in_buckets_and_come_back_bitwise():
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("c", torch.randint(0, 9, (2, 2), generator=g)), ("big", torch.randn(300, generator=g))]  # fmt: skip
+    entries, buckets = pack(named, bucket_bytes=64)
+    assert len(buckets) == 4  # 60 + 14 bytes do not share 64; big (1200 bytes) gets its own bucket
+    assert sum(b.numel() for b in buckets) == sum(t.numel() * t.element_size() for _, t in named)
+    back = unpack(entries, [b.clone() for b in buckets])
+    for (name, t), (name2, t2) in zip(named, back, strict=True):
+        assert name == name2 and t2.dtype == t.dtype and torch.equal(t, t2)
+    named[0][1].add_(1.0)  # the trainer steps on: what was packed is a copy
+    assert not torch.equal(named[0][1], unpack(entries, buckets)[0][1])
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+def _fit(out, *args, timeout=600, check=True):
+    return run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, timeout=timeout, check=check)
+
+
+def _steps(out) -> list[dict]:
+    return json.loads((out / "steps.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
+    """Disaggregated with max_staleness 0 (1 rollout + 1 trainer) against the colocated step on one process,
+    same seeds: the same samples, rewards and final weights."""
+    from safetensors.torch import load_file
+
+    steps = ["--trainer.max_steps=4", "--data.init_args.batch_size=8"]
+    _fit(tmp_path / "async", *steps, "--trainer.strategy.placement.init_args.max_staleness=0",
+         "--trainer.strategy.placement.init_args.fixed_lag=true")  # fmt: skip
+    colocated = ["--trainer.devices=1", "--trainer.strategy.placement=yatt_lightning.placement.FullColocation"]
+    _fit(tmp_path / "colocated", *steps, *colocated)
+    a, c = _steps(tmp_path / "async"), _steps(tmp_path / "colocated")
+    assert len(a) == len(c) == 4
+    for k, (x, y) in enumerate(zip(a, c, strict=True)):
+        assert x["completions"] == y["completions"], f"step {k}: different samples"
+        assert x["rewards"] == y["rewards"], f"step {k}: different rewards"
+        assert x["async"]["async/staleness_max"] == 0.0
+    wa, wc = load_file(tmp_path / "async" / "weights.safetensors"), load_file(tmp_path / "colocated" / "weights.safetensors")
+    assert wa.keys() == wc.keys()
+    assert all(torch.equal(wa[k], wc[k]) for k in wa), "the final weights differ"
+    first = load_file(tmp_path / "async" / "weights.safetensors")
+    assert any(not torch.equal(first[k], wc[k]) for k in first) is False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_slow_consumer_never_trains_on_a_batch_older_than_max_staleness(tmp_path):
+    """The trainer sleeps 1 s a step. ``wait``: the producer waits and every batch is at most 1 version old;
+    ``drop`` with max_staleness 0: a stale batch is dropped and counted, never trained on."""
+    common = ["--trainer.max_steps=6", "--data.init_args.batch_size=4", "--slow-train", "1.0"]
+    _fit(tmp_path / "wait", *common)
+    wait = _steps(tmp_path / "wait")
+    assert max(s["async"]["async/staleness_max"] for s in wait) <= 1.0
+    assert max(s["async"]["async/staleness_max"] for s in wait) == 1.0, "the producer never ran ahead"
+    scalars = read_scalars(tmp_path / "wait" / "tb")
+    for key in ("staleness_mean", "staleness_max", "dropped", "queue_depth", "producer_idle", "consumer_idle"):
+        assert f"async/{key}" in scalars, f"async/{key} not logged"
+    assert max(v for _, v in scalars["async/producer_idle"]) > 0.3, "the producer should wait for the slow trainer"
+    _fit(tmp_path / "drop", *common, "--trainer.strategy.placement.init_args.max_staleness=0",
+         "--trainer.strategy.placement.init_args.on_stale=drop")  # fmt: skip
+    drop = _steps(tmp_path / "drop")
+    dropped = drop[-1]["async"]["async/dropped"]
+    assert dropped >= 1, "a producer one batch ahead of a slow trainer makes stale batches"
+    trained = [s for s in drop if "actor/pg_loss" not in s]  # steps record async figures either way
+    assert len(trained) == len(drop)
+    for s in drop:
+        if s["async"]["async/staleness_max"] > 0:
+            assert s["async"]["async/dropped"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rollout_rank_that_raises_stops_both_ranks_with_its_cause(tmp_path):
+    t0 = time.monotonic()
+    result = _fit(tmp_path / "fail", "--trainer.max_steps=8", "--data.init_args.batch_size=4", "--fail-at", "2",
+                  timeout=300, check=False)  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert "the reward service is down (injected)" in text
+    assert "rank 1" in text, "the trainer's error names the rollout rank"
+    assert elapsed < 240, f"both ranks should stop within a bounded time, took {elapsed:.0f} s"

@@ -1,0 +1,98 @@
+"""Disaggregated placement's batch channel: scored rollouts from a rollout rank to its trainers.
+
+A rollout rank sends each step's :class:`Produced` (the scored batch, stamped with the policy version of
+its tokens) to every trainer rank it serves, without waiting; on a trainer a thread receives them as they
+come into its inbox (gloo's point-to-point receives cannot be polled: a posted ``irecv`` reports completion
+only once waited on), so ``queue_depth`` is what has arrived and not yet been trained on. A rollout
+rank that fails sends :class:`ProducerFailure` instead; the trainer raises
+:class:`~yatt_lightning.distributed.failures.RankFailure` naming it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from yatt_lightning.distributed import collectives, wire
+from yatt_lightning.distributed.failures import RankFailure
+from yatt_lightning.rollout.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class Produced:
+    """One step's scored rollouts for one data-parallel rank, and the producer's figures of them."""
+
+    step: int
+    version: int  # the policy version the engine generated with
+    batch: RolloutBatch
+    reward_metrics: dict[str, float]
+    times: dict[str, float]  # rollout, sync (applying weights), reward, producer_idle
+    figures: dict[str, float] = field(default_factory=dict)  # the producer's other figures, logged as named
+
+
+@dataclass(frozen=True)
+class ProducerFailure:
+    origin: int
+    cause: str
+
+
+@dataclass(frozen=True)
+class EndOfRun:
+    """The producer's last message: the trainer's receiving thread ends."""
+
+
+class BatchSender:
+    """A rollout rank's end. A send returns at once; the previous one's bytes must have left first (the
+    trainer's thread is always receiving, so that wait is the transfer's time, bounded by ``timeout_s``)."""
+
+    def __init__(self, group, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.requests: list = []
+
+    def send(self, message: Produced | ProducerFailure | EndOfRun, dst: int) -> None:
+        self.flush()
+        with wire.category("rollout"):
+            self.requests += collectives.isend_object(message, dst, self.group)
+
+    def flush(self) -> None:
+        for request in self.requests:
+            request.wait(timeout=timedelta(seconds=self.timeout_s))
+        self.requests = []
+
+
+class BatchInbox:
+    """A trainer rank's end: batches from rollout rank ``src``, in order, received by a thread."""
+
+    def __init__(self, group, src: int) -> None:
+        self.group, self.src = group, src
+        self.arrived: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._receive, name=f"yatt-batches-from-{src}", daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                with wire.category("rollout"):
+                    message = collectives.recv_object(self.src, self.group)
+            except Exception as err:  # the channel broke (the producer died): the trainer raises it
+                message = ProducerFailure(self.src, f"{type(err).__name__}: {err}")
+            self.arrived.put(message)
+            if isinstance(message, (ProducerFailure, EndOfRun)):
+                return
+
+    def take(self, step: int, timeout_s: float) -> tuple[Produced, float, int]:
+        """The batch of ``step``, the seconds waited for it, and how many batches had arrived (with it)."""
+        t0 = time.monotonic()
+        depth = self.arrived.qsize()
+        try:
+            message = self.arrived.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s batch of step {step}") from None
+        if isinstance(message, ProducerFailure):
+            raise RankFailure(message.origin, message.cause, agreed=False, how="a rollout rank failed")
+        if not isinstance(message, Produced) or message.step != step:
+            raise RuntimeError(f"the trainer expected the batch of step {step}, rollout rank {self.src} sent {message}")
+        return message, time.monotonic() - t0, max(depth, 1)

@@ -1,0 +1,283 @@
+"""Disaggregated placement: rollout ranks produce, trainer ranks consume, and neither waits for the other
+beyond a bounded lag (asynchronous RL).
+
+The ranks split in two: the trainers (global ranks ``0 .. T-1``) train with Megatron TP / PP / DP over
+their own group; the rollout ranks (the last ones, ``rollout_ranks``) run the policy's engine and the
+reward functions. Every rank runs Lightning's loop and takes one step per batch (so every rank stops at
+``max_steps`` and logs the same steps); a step is
+
+* on a rollout rank (the producer): apply the newest published weights it may use, generate and score
+  this step's prompts, send the scored batch, stamped with its policy version, to its trainers;
+* on a trainer (the consumer): take the step's batch, compute the advantages, update, and publish the
+  new version (:mod:`~yatt_lightning.placement.weight_channel`).
+
+**Staleness.** The trainer's version is the number of updates it has published. A batch generated with
+version ``v`` and trained at version ``u`` is ``u - v`` stale. With ``on_stale: wait`` the producer of step
+``s`` waits until it holds version ``s - max_staleness`` (so no batch is older); with ``on_stale: drop`` it
+never waits for weights, and the trainer drops a batch older than ``max_staleness`` (the step then updates
+nothing; ``async/dropped`` counts them); in both, the producer runs at most ``max_staleness + 1`` batches
+ahead of the trainer. ``max_staleness: 0`` is the synchronous step, on separate ranks.
+
+**Determinism.** With ``fixed_lag: true`` (needs ``on_stale: wait``) step ``s`` trains exactly on what version
+``max(0, s - max_staleness)`` generated, whatever the timing: a run is reproducible. Without it, which
+version a batch used depends on timing (``on_stale: wait`` uses the newest one allowed), and so do the
+numbers; ``on_stale: drop`` is never deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from yatt_lightning.placement.base import Placement, memory, rank
+from yatt_lightning.placement.batch_channel import BatchInbox, BatchSender, EndOfRun, Produced, ProducerFailure
+from yatt_lightning.placement.weight_channel import ACK, FAILURE, WEIGHTS, WeightPublisher, WeightReceiver
+from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
+
+ON_STALE = ("wait", "drop")
+
+
+class Disaggregated(Placement):
+    """Rollout ranks generate continuously; trainer ranks train on what they generated, a bounded lag behind.
+
+    Args:
+        rollout_ranks: Global ranks that run the engines and rewards; they must be the last ranks
+            (default: the second half). The others train.
+        max_staleness: How many policy versions older than the trainer's a trained batch may be.
+        on_stale: ``wait`` (the producer waits for new weights) or ``drop`` (the trainer drops a batch
+            that is too old).
+        fixed_lag: Step ``s`` trains on exactly what version ``s - max_staleness`` generated (deterministic).
+        publish_every: Publish the weights after every this many updates (at most ``max_staleness + 1``).
+        bucket_mb: Size of the buckets the weights travel in.
+        timeout_s: The longest any rank waits for the other side (a batch, a version) before failing.
+    """
+
+    def __init__(
+        self,
+        rollout_ranks: list[int] | None = None,
+        max_staleness: int = 1,
+        on_stale: str = "wait",
+        fixed_lag: bool = False,
+        publish_every: int = 1,
+        bucket_mb: float = 64.0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"`trainer.strategy.placement.max_staleness` must be >= 0, got {max_staleness}.")
+        if on_stale not in ON_STALE:
+            raise ValueError(f"`trainer.strategy.placement.on_stale` must be one of {ON_STALE}, got {on_stale!r}.")
+        if fixed_lag and on_stale != "wait":
+            raise ValueError("`trainer.strategy.placement.fixed_lag` needs `on_stale: wait` (a dropped batch has no lag).")
+        if not 1 <= publish_every <= max_staleness + 1:
+            raise ValueError(
+                f"`trainer.strategy.placement.publish_every`={publish_every} must be between 1 and max_staleness + 1 "
+                f"= {max_staleness + 1}: the producer could otherwise never hold a version recent enough."
+            )
+        if bucket_mb <= 0 or timeout_s <= 0:
+            raise ValueError("`trainer.strategy.placement.bucket_mb` and `timeout_s` must be > 0.")
+        self.rollout_ranks = rollout_ranks
+        self.max_staleness, self.on_stale, self.fixed_lag = max_staleness, on_stale, fixed_lag
+        self.publish_every, self.bucket_bytes, self.timeout_s = publish_every, int(bucket_mb * 2**20), timeout_s
+        self.trainers: list[int] = []
+        self.rollout: list[int] = []
+        self.updates = 0  # trainer: versions published so far (the policy's version)
+        self.dropped = 0  # trainer: batches dropped as too stale, over the run
+        self.engine_version = 0  # rollout rank: the version its engine holds
+
+    # ------------------------------------------------------------------ layout
+    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
+        if world < 2:
+            raise ValueError("`trainer.strategy.placement`: Disaggregated needs at least 2 processes (`trainer.devices`).")
+        rollout = sorted(self.rollout_ranks or list(range(world - world // 2, world)))
+        trainers = list(range(world - len(rollout)))
+        if not trainers or rollout != list(range(len(trainers), world)):
+            raise ValueError(
+                f"`trainer.strategy.placement.rollout_ranks` {rollout}: name the last ranks, leaving at least one "
+                f"trainer (of {world} processes); e.g. [{world - 1}]."
+            )
+        model_parallel = tensor_parallel * pipeline_parallel
+        if len(trainers) % model_parallel:
+            raise ValueError(
+                f"`trainer.strategy.tensor_model_parallel_size` x `pipeline_model_parallel_size` = {model_parallel} "
+                f"does not divide the {len(trainers)} trainer ranks of Disaggregated."
+            )
+        dp = len(trainers) // model_parallel
+        if dp % len(rollout):
+            raise ValueError(
+                f"`trainer.strategy.placement.rollout_ranks`: {len(rollout)} rollout ranks must divide the {dp} "
+                "trainer data-parallel ranks (each rollout rank serves the same number)."
+            )
+        self.trainers, self.rollout, self.model_parallel = trainers, rollout, model_parallel
+
+    @property
+    def role(self) -> str:
+        return "rollout" if rank() in self.rollout else "train"
+
+    def roles(self, world: int) -> list[list[int]]:
+        return [self.trainers, self.rollout]
+
+    def training_world(self, world: int) -> int:
+        return len(self.trainers)
+
+    def hosts_policy_engine(self) -> bool:
+        return rank() in self.rollout
+
+    def sampler(self) -> dict[str, int]:
+        """How the rows are sharded: over the rollout ranks (the trainers' loaders are not read)."""
+        me = rank()
+        return {"num_replicas": len(self.rollout), "rank": self.rollout.index(me) if me in self.rollout else 0}
+
+    def serves(self, rollout_rank: int) -> list[int]:
+        """The trainer data-parallel ranks ``rollout_rank`` produces for."""
+        idx = self.rollout.index(rollout_rank)
+        return [d for d in range(len(self.trainers) // self.model_parallel) if d % len(self.rollout) == idx]
+
+    def _trainers_served(self, dp: int | None = None) -> list[int]:
+        """The trainer ranks of data-parallel rank ``dp`` (``None``: of every one this rollout rank serves)."""
+        dps = self.serves(rank()) if dp is None else [dp]
+        return [t for d in dps for t in range(d * self.model_parallel, (d + 1) * self.model_parallel)]
+
+    def source(self, trainer_rank: int) -> int:
+        return self.rollout[(trainer_rank // self.model_parallel) % len(self.rollout)]
+
+    # ------------------------------------------------------------------ engines and channels
+    def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
+        from yatt_lightning.rollout.longtail import PartialRollout
+        from yatt_lightning.rollout.vllm_engine import join_engine_groups
+
+        if isinstance(setup.long_tail, PartialRollout):
+            raise ValueError("`model.long_tail`: PartialRollout with Disaggregated is not supported yet; use WaitForAll.")
+        if self.judges(setup.reward_functions):
+            raise ValueError(
+                "`model.rewards`: a GenerativeRewardModel with Disaggregated is not supported yet; use "
+                "FullColocation or PartialColocation."
+            )
+        world = list(range(len(self.trainers) + len(self.rollout)))
+        self.batches = torch.distributed.new_group(world, backend="gloo")
+        self.weights = torch.distributed.new_group([0, *self.rollout], backend="gloo")
+        me = rank()
+        if me in self.rollout:  # one engine per rollout rank; vLLM builds its groups with every rank at once
+            policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
+            self.sender, self.receiver = BatchSender(self.batches, self.timeout_s), WeightReceiver(self.weights, 0)
+        else:
+            join_engine_groups()
+            self.inbox = BatchInbox(self.batches, self.source(me))
+            self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes) if me == 0 else None
+
+    def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
+        groups = self.controller.generate(request, keep, engine)
+        return Generation(groups, rank_figures=memory("rollout"))
+
+    # ------------------------------------------------------------------ the producer (rollout ranks)
+    def await_weights(self, step: int, engine) -> tuple[int, float, float]:
+        """Before producing step ``step``: the engine holds the version this step may use. Returns the version,
+        the seconds waited for it (or for room in the queue) and the seconds applying it took."""
+        bound = max(0, step - self.max_staleness)
+        room = self.max_staleness + 1  # batches the producer may be ahead of the trainer
+        waited = self.receiver.wait(lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption",
+                                    self.timeout_s)  # fmt: skip
+        if self.on_stale == "wait":
+            if self.fixed_lag:
+                ready, what = (lambda s: bound == 0 or bound in s.versions), f"version {bound}"
+            else:
+                ready, what = (lambda s: s.latest >= bound), f"a version >= {bound}"
+            waited += self.receiver.wait(ready, what, self.timeout_s)
+        state = self.receiver.state
+        target = bound if self.fixed_lag else max([self.engine_version, *state.versions])
+        seconds = 0.0
+        if target != self.engine_version and target in state.versions:
+            import time
+
+            t0 = time.perf_counter()
+            engine.push_weights(self.receiver.take(target))
+            seconds = time.perf_counter() - t0
+            self.engine_version = target
+        return self.engine_version, waited, seconds
+
+    def send(self, produced: Produced) -> None:
+        """The step's scored batch to each trainer of the data-parallel ranks this rank serves (split by groups)."""
+        parts = _split(produced.batch, len(self.serves(rank())))
+        for dp, part in zip(self.serves(rank()), parts, strict=True):
+            for trainer in self._trainers_served(dp):
+                self.sender.send(Produced(produced.step, produced.version, part, produced.reward_metrics,
+                                          produced.times, produced.figures), trainer)  # fmt: skip
+
+    # ------------------------------------------------------------------ the consumer (trainer ranks)
+    def take(self, step: int) -> tuple[Produced, dict[str, float]]:
+        """Step ``step``'s batch and the figures of the wait (``async/*``)."""
+        produced, waited, depth = self.inbox.take(step, self.timeout_s)
+        staleness = self.updates - produced.version
+        return produced, {
+            "async/staleness_mean": float(staleness),
+            "async/staleness_max": float(staleness),
+            "async/queue_depth": float(depth),
+            "async/consumer_idle": waited,
+            "async/producer_idle": produced.times["producer_idle"],
+            "async/version": float(produced.version),
+        }
+
+    def too_stale(self, produced: Produced) -> bool:
+        return self.on_stale == "drop" and self.updates - produced.version > self.max_staleness
+
+    def publish(self, step: int, updated: bool, export) -> float:
+        """After the trainer's step ``step``: the new version (``export()``: its Hugging Face tensors; collective
+        over the model-parallel group), or an acknowledgement when the step updated nothing or it is not time
+        to publish. Returns the seconds spent (exporting and posting)."""
+        import time
+
+        t0 = time.perf_counter()
+        if updated:
+            self.updates += 1
+        if updated and self.updates % self.publish_every == 0:
+            named = list(export()) if rank() < self.model_parallel else None  # data-parallel rank 0's group
+            if self.publisher is not None:
+                self.publisher.publish(WEIGHTS, self.updates, step, named)
+        elif self.publisher is not None:
+            self.publisher.publish(ACK, self.updates, step)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ failures and the end
+    def tell_failure(self, error: BaseException) -> None:
+        """This rank failed: the other side waits for it, so tell it (then the error propagates here)."""
+        from yatt_lightning.distributed.failures import RankFailure, describe
+
+        origin = error.origin if isinstance(error, RankFailure) else rank()
+        with contextlib.suppress(Exception):  # the channel may be what failed
+            if rank() in self.rollout:
+                for trainer in self._trainers_served():
+                    self.sender.send(ProducerFailure(origin, describe(error)), trainer)
+            elif self.publisher is not None:
+                self.publisher.publish(FAILURE, self.updates, -1, cause=describe(error))
+
+    def finish(self, last_step: int) -> None:
+        """The end of the run (after ``last_step``): what either side sent has been received."""
+        if rank() in self.rollout:
+            for trainer in self._trainers_served():
+                self.sender.send(EndOfRun(), trainer)
+            self.sender.flush()
+            self.receiver.wait(lambda s: s.consumed >= last_step, f"the end of step {last_step}", self.timeout_s)
+        elif self.publisher is not None:
+            self.publisher.flush(self.timeout_s)
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates, self.dropped = state["updates"], state["dropped"]
+
+    @contextlib.contextmanager
+    def scoring(self, reward_functions) -> Iterator[dict[str, float]]:
+        figures: dict[str, float] = {}
+        yield figures
+        figures.update(memory("reward"))
+
+
+def _split(batch, parts: int) -> list:
+    """``batch``'s groups in ``parts`` consecutive parts of sizes differing by one at most."""
+    if parts == 1:
+        return [batch]
+    groups = batch.num_groups
+    bounds = [k * groups // parts for k in range(parts + 1)]
+    return [batch.select_groups(list(range(a, b))) for a, b in zip(bounds, bounds[1:], strict=False)]

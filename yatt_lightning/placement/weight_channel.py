@@ -1,0 +1,168 @@
+"""Disaggregated placement's weight channel: the trainers publish policy versions, the rollout ranks apply them.
+
+One trainer (global rank 0, the head of data-parallel rank 0's model-parallel group) broadcasts on a
+group of itself and the rollout ranks. Every message starts with a fixed-size header (kind, version, the
+trainer's consumed step, the size of what follows), so a rollout rank can post the header's receive and
+poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index and
+the tensors packed into buckets of at most ``bucket_bytes`` (one broadcast each); an ``ACK`` carries
+nothing (a step whose batch was dropped: no new version, but the producer learns the trainer moved on);
+a ``FAILURE`` carries the trainer's cause. The trainer's broadcasts are asynchronous (gloo runs them on
+its own threads), so training goes on while the bytes move.
+
+Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
+different parallelism. The destination here is a vLLM engine, which loads Hugging Face names through its
+own loader (``reload_weights``), so the trainer exports Hugging Face tensors once (TP shards gathered) and
+broadcasts them; vLLM shards them for its own tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from yatt_lightning.distributed import wire
+from yatt_lightning.distributed.failures import RankFailure
+
+WEIGHTS, ACK, FAILURE = 1, 0, 3
+
+
+@dataclass
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
+    """The tensors as flat byte buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket of its own)
+    and the index that unpacks them. The buckets are copies: the trainer may step while they are sent."""
+    entries, buckets, current, size = [], [], [], 0
+    for name, tensor in named:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if current and size + flat.numel() > bucket_bytes:
+            buckets.append(torch.cat(current))
+            current, size = [], 0
+        entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(buckets), size, flat.numel()))
+        current.append(flat)
+        size += flat.numel()
+    if current:
+        buckets.append(torch.cat(current))
+    return entries, buckets
+
+
+def unpack(entries: list[_Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (e.name, buckets[e.bucket][e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape)) for e in entries
+    ]
+
+
+class WeightPublisher:
+    """The trainer's end. ``publish`` returns at once; the previous message's sends finish in the background."""
+
+    def __init__(self, group, src: int, bucket_bytes: int) -> None:
+        self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
+        self.pending: list = []  # (work, tensor): kept alive until sent
+
+    def publish(self, kind: int, version: int, consumed: int, named=None, cause: str = "") -> float:
+        """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
+        t0 = time.perf_counter()
+        self._reap()
+        if kind == WEIGHTS:
+            entries, buckets = pack(list(named), self.bucket_bytes)
+            body = pickle.dumps(entries)
+        else:
+            buckets, body = [], cause.encode()
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
+        header = torch.tensor([kind, version, consumed, payload.numel()], dtype=torch.int64)
+        with wire.category("weights"):
+            for tensor in (header, payload, *buckets):
+                if tensor.numel():
+                    work = torch.distributed.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+                    self.pending.append((work, tensor))
+        return time.perf_counter() - t0
+
+    def _reap(self) -> None:
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every message was received (the end of the run; a rank that left fails this)."""
+        deadline = time.monotonic() + timeout_s
+        for work, _ in self.pending:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
+                time.sleep(0.005)
+        self.pending = []
+
+
+@dataclass
+class Received:
+    """What the rollout rank has heard from the trainer so far."""
+
+    versions: dict[int, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)  # version -> tensors
+    consumed: int = -1  # the last step the trainer has consumed
+    latest: int = 0  # the newest version announced
+
+
+class WeightReceiver:
+    """A rollout rank's end: polls the trainer's messages between its own steps."""
+
+    def __init__(self, group, src: int) -> None:
+        self.group, self.src = group, src
+        self.state = Received()
+        self._post()
+
+    def _post(self) -> None:
+        self.header = torch.zeros(4, dtype=torch.int64)
+        self.work = torch.distributed.broadcast(self.header, src=self.src, group=self.group, async_op=True)
+
+    def poll(self) -> bool:
+        """Take every message that has arrived; True if any did."""
+        got = False
+        while self.work.is_completed():
+            self.work.wait()
+            kind, version, consumed, size = self.header.tolist()
+            payload = torch.empty(size, dtype=torch.uint8)
+            with wire.category("weights"):
+                if size:
+                    torch.distributed.broadcast(payload, src=self.src, group=self.group)
+                if kind == FAILURE:
+                    raise RankFailure(self.src, payload.numpy().tobytes().decode(), agreed=False,
+                                      how="the trainer publishing the weights failed")  # fmt: skip
+                if kind == WEIGHTS:
+                    entries: list[_Entry] = pickle.loads(payload.numpy().tobytes())
+                    sizes: dict[int, int] = {}
+                    for e in entries:
+                        sizes[e.bucket] = max(sizes.get(e.bucket, 0), e.offset + e.nbytes)
+                    buckets = [torch.empty(sizes[b], dtype=torch.uint8) for b in sorted(sizes)]
+                    for bucket in buckets:
+                        torch.distributed.broadcast(bucket, src=self.src, group=self.group)
+                    self.state.versions[version] = unpack(entries, buckets)
+                    self.state.latest = max(self.state.latest, version)
+            self.state.consumed = max(self.state.consumed, consumed)
+            got = True
+            self._post()
+        return got
+
+    def wait(self, ready, what: str, timeout_s: float) -> float:
+        """Poll until ``ready(state)``; returns the seconds waited. Raises after ``timeout_s`` naming ``what``."""
+        t0 = time.monotonic()
+        self.poll()
+        while not ready(self.state):
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"rollout rank waited {timeout_s:.0f} s for {what} from trainer rank {self.src}")
+            time.sleep(0.002)
+            self.poll()
+        return time.monotonic() - t0
+
+    def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        """Version ``version``'s tensors; older versions are forgotten."""
+        named = self.state.versions[version]
+        self.state.versions = {v: t for v, t in self.state.versions.items() if v > version}
+        return named

@@ -1,0 +1,91 @@
+"""The RL step as a producer and a consumer, on the two sides of a disaggregated placement (a mixin of
+:class:`~yatt_lightning.module.RLHFModule`; see :mod:`yatt_lightning.placement.disaggregated`).
+
+A rollout rank's step produces: the weights it may use, then ``rollout`` and ``reward`` (the module's own
+hooks), then the scored batch goes to its trainers, stamped with its version. A trainer's step consumes:
+the step's batch, then ``advantage`` and ``update`` (the same hooks as the colocated step, in
+``train_on``), then the new version goes out. Lightning counts a step on every rank (the rollout ranks'
+optimizer is a :class:`StepCounter`), so every rank stops at ``max_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from yatt_lightning.placement.batch_channel import Produced
+
+
+class StepCounter(torch.optim.Optimizer):
+    """A rollout rank's optimizer: it has nothing to train; its steps make Lightning count the rank's steps
+    (``trainer.global_step``), so the rollout ranks stop, log and save at the same steps as the trainers."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1, requires_grad=True)], {"lr": 0.0})
+
+    def step(self, closure=None) -> None:
+        return None
+
+
+class AsyncSteps:
+    """The producer's and the consumer's step (mixed into ``RLHFModule``)."""
+
+    def produce_step(self, batch: list[dict]) -> None:
+        """Rollout rank: generate and score this step's rows with the newest weights allowed, and send them."""
+        strategy = self.trainer.strategy
+        placement, step = strategy.placement, self.trainer.global_step
+        try:
+            version, waited, sync = placement.await_weights(step, strategy.engine)
+            t0 = time.perf_counter()
+            rollouts = self.rollout(batch)
+            t1 = time.perf_counter()
+            scores = self.reward(rollouts)
+            rollouts = rollouts.scored(scores.total, scores.token_rewards)
+            rollouts = dataclasses.replace(rollouts, versions=[(version, version)] * len(rollouts))
+            times = {"rollout": t1 - t0, "sync": sync, "reward": time.perf_counter() - t1, "producer_idle": waited}
+            placement.send(Produced(step, version, rollouts, scores.metrics, times))
+        except Exception as err:  # the trainers wait for this batch: tell them, then fail here
+            placement.tell_failure(err)
+            raise
+        self.optimizers().step()  # counts the step
+        if step + 1 >= self.trainer.max_steps:
+            placement.finish(step)
+
+    def consume_step(self, batch: list[dict]) -> dict:
+        """Trainer: train on this step's batch (or drop it, when too stale), then publish the new version."""
+        strategy = self.trainer.strategy
+        placement, step = strategy.placement, self.trainer.global_step
+        try:
+            produced, figures = placement.take(step)
+            rollouts = produced.batch
+            times = {k: produced.times[k] for k in ("rollout", "sync", "reward")}
+            rank = {"idle": figures["async/consumer_idle"]}
+            if placement.too_stale(produced):
+                placement.dropped += 1
+                figures["async/dropped"] = float(placement.dropped)
+                optimizer = self.optimizers()
+                optimizer.optimizer.count_only = True  # Lightning counts the step; Megatron's optimizer is not run
+                optimizer.step()
+                optimizer.optimizer.count_only = False
+                placement.publish(step, updated=False, export=None)
+                out = self.figures_only(rollouts, produced.reward_metrics, times, rank, figures)
+            else:
+                figures["async/dropped"] = float(placement.dropped)
+                out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
+                out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
+            if step + 1 >= self.trainer.max_steps:
+                placement.finish(step)
+            return out
+        except Exception as err:  # the rollout ranks wait for weights: tell them, then fail here
+            placement.tell_failure(err)
+            raise
+
+    def figures_only(self, rollouts, reward_metrics: dict, times: dict, rank: dict, figures: dict) -> dict:
+        """The step's figures when it trained nothing (a dropped batch)."""
+        from yatt_lightning.training.step_metrics import step_stats
+
+        times = {**times, "train": 0.0, "step": times["rollout"] + times["sync"] + times["reward"]}
+        summary = step_stats(self.step_context(), rollouts, reward_metrics, None, figures, times, rank)
+        return {"reward_mean": float(rollouts.rewards.mean()), "stats": summary}
