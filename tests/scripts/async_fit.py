@@ -30,7 +30,7 @@ def failing_reward(prompt: str, completion: str, **row) -> float:
     """The alphabet reward, raising at ``--fail-at``'s step (where the rows say so)."""
     from yatt_lightning.rewards.rules import alphabet_reward
 
-    if row.get("_fail"):
+    if row.get("fail_injected"):
         raise RuntimeError("the reward service is down (injected)")
     return alphabet_reward(prompt, completion, **row)
 
@@ -45,7 +45,7 @@ class Record(Callback):
             time.sleep(self.slow)
         if batch_idx == self.fail_at and role != "train":
             for row in batch:
-                row["_fail"] = True
+                row["fail_injected"] = True
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.strategy.role == "rollout" or outputs is None:
@@ -56,6 +56,7 @@ class Record(Callback):
             "completions": [list(c) for c in rollouts.completion_ids],
             "rewards": rollouts.rewards.tolist(),
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
+            "trained": "actor/pg_loss" in scalars,
         })  # fmt: skip
 
     def on_train_end(self, trainer, module) -> None:

@@ -94,5 +94,6 @@ class BatchInbox:
         if isinstance(message, ProducerFailure):
             raise RankFailure(message.origin, message.cause, agreed=False, how="a rollout rank failed")
         if not isinstance(message, Produced) or message.step != step:
-            raise RuntimeError(f"the trainer expected the batch of step {step}, rollout rank {self.src} sent {message}")
+            sent = f"step {message.step}'s" if isinstance(message, Produced) else type(message).__name__
+            raise RuntimeError(f"the trainer expected the batch of step {step}, rollout rank {self.src} sent {sent}")
         return message, time.monotonic() - t0, max(depth, 1)

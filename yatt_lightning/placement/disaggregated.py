@@ -15,8 +15,8 @@ reward functions. Every rank runs Lightning's loop and takes one step per batch 
 version ``v`` and trained at version ``u`` is ``u - v`` stale. With ``on_stale: wait`` the producer of step
 ``s`` waits until it holds version ``s - max_staleness`` (so no batch is older); with ``on_stale: drop`` it
 never waits for weights, and the trainer drops a batch older than ``max_staleness`` (the step then updates
-nothing; ``async/dropped`` counts them); in both, the producer runs at most ``max_staleness + 1`` batches
-ahead of the trainer. ``max_staleness: 0`` is the synchronous step, on separate ranks.
+nothing; ``async/dropped`` counts them); in both, the producer runs at most ``queue_size`` batches ahead of
+the trainer (default ``max_staleness + 1``). ``max_staleness: 0`` is the synchronous step, on separate ranks.
 
 **Determinism.** With ``fixed_lag: true`` (needs ``on_stale: wait``) step ``s`` trains exactly on what version
 ``max(0, s - max_staleness)`` generated, whatever the timing: a run is reproducible. Without it, which
@@ -50,6 +50,9 @@ class Disaggregated(Placement):
             that is too old).
         fixed_lag: Step ``s`` trains on exactly what version ``s - max_staleness`` generated (deterministic).
         publish_every: Publish the weights after every this many updates (at most ``max_staleness + 1``).
+        queue_size: How many batches the producer may be ahead of the trainer (default ``max_staleness + 1``;
+            with ``on_stale: wait`` it cannot be more). With ``drop``, a larger queue keeps the producer busy
+            and drops what ages past ``max_staleness`` in it.
         bucket_mb: Size of the buckets the weights travel in.
         timeout_s: The longest any rank waits for the other side (a batch, a version) before failing.
     """
@@ -61,6 +64,7 @@ class Disaggregated(Placement):
         on_stale: str = "wait",
         fixed_lag: bool = False,
         publish_every: int = 1,
+        queue_size: int | None = None,
         bucket_mb: float = 64.0,
         timeout_s: float = 600.0,
     ) -> None:
@@ -68,20 +72,27 @@ class Disaggregated(Placement):
             raise ValueError(f"`trainer.strategy.placement.max_staleness` must be >= 0, got {max_staleness}.")
         if on_stale not in ON_STALE:
             raise ValueError(f"`trainer.strategy.placement.on_stale` must be one of {ON_STALE}, got {on_stale!r}.")
-        if fixed_lag and on_stale != "wait":
-            raise ValueError("`trainer.strategy.placement.fixed_lag` needs `on_stale: wait` (a dropped batch has no lag).")
+        if fixed_lag and (on_stale != "wait" or publish_every != 1):
+            raise ValueError(
+                "`trainer.strategy.placement.fixed_lag` needs `on_stale: wait` and `publish_every: 1` (step s trains on "
+                "exactly version s - max_staleness, which a dropped batch or a skipped publish would not give)."
+            )
         if not 1 <= publish_every <= max_staleness + 1:
             raise ValueError(
                 f"`trainer.strategy.placement.publish_every`={publish_every} must be between 1 and max_staleness + 1 "
                 f"= {max_staleness + 1}: the producer could otherwise never hold a version recent enough."
             )
+        if queue_size is not None and queue_size < 1:
+            raise ValueError(f"`trainer.strategy.placement.queue_size` must be >= 1, got {queue_size}.")
         if bucket_mb <= 0 or timeout_s <= 0:
             raise ValueError("`trainer.strategy.placement.bucket_mb` and `timeout_s` must be > 0.")
         self.rollout_ranks = rollout_ranks
         self.max_staleness, self.on_stale, self.fixed_lag = max_staleness, on_stale, fixed_lag
         self.publish_every, self.bucket_bytes, self.timeout_s = publish_every, int(bucket_mb * 2**20), timeout_s
+        self.queue_size = queue_size if queue_size is not None else max_staleness + 1
         self.trainers: list[int] = []
         self.rollout: list[int] = []
+        self.steps = 0  # RL steps this rank has produced or consumed
         self.updates = 0  # trainer: versions published so far (the policy's version)
         self.dropped = 0  # trainer: batches dropped as too stale, over the run
         self.engine_version = 0  # rollout rank: the version its engine holds
@@ -175,7 +186,7 @@ class Disaggregated(Placement):
         """Before producing step ``step``: the engine holds the version this step may use. Returns the version,
         the seconds waited for it (or for room in the queue) and the seconds applying it took."""
         bound = max(0, step - self.max_staleness)
-        room = self.max_staleness + 1  # batches the producer may be ahead of the trainer
+        room = self.queue_size  # batches the producer may be ahead of the trainer
         waited = self.receiver.wait(lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption",
                                     self.timeout_s)  # fmt: skip
         if self.on_stale == "wait":
@@ -261,11 +272,15 @@ class Disaggregated(Placement):
         elif self.publisher is not None:
             self.publisher.flush(self.timeout_s)
 
+    def parts(self) -> int:
+        """Into how many trainers' batches a rollout rank's batch is split."""
+        return len(self.serves(rank())) if rank() in self.rollout else 1
+
     def state_dict(self) -> dict:
-        return {"updates": self.updates, "dropped": self.dropped}
+        return {"steps": self.steps, "updates": self.updates, "dropped": self.dropped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.updates, self.dropped = state["updates"], state["dropped"]
+        self.steps, self.updates, self.dropped = state["steps"], state["updates"], state["dropped"]
 
     @contextlib.contextmanager
     def scoring(self, reward_functions) -> Iterator[dict[str, float]]:

@@ -27,6 +27,7 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
 
 WEIGHTS, ACK, FAILURE = 1, 0, 3
+ALIGN = 16  # bytes
 
 
 @dataclass
@@ -45,9 +46,13 @@ def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list
     entries, buckets, current, size = [], [], [], 0
     for name, tensor in named:
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        if current and size + flat.numel() > bucket_bytes:
+        pad = -size % ALIGN  # each tensor starts aligned, so its bytes can be viewed as its dtype again
+        if current and size + pad + flat.numel() > bucket_bytes:
             buckets.append(torch.cat(current))
-            current, size = [], 0
+            current, size, pad = [], 0, 0
+        if pad:
+            current.append(torch.zeros(pad, dtype=torch.uint8))
+            size += pad
         entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(buckets), size, flat.numel()))
         current.append(flat)
         size += flat.numel()

@@ -32,10 +32,31 @@ class StepCounter(torch.optim.Optimizer):
 class AsyncSteps:
     """The producer's and the consumer's step (mixed into ``RLHFModule``)."""
 
+    def optimizer_steps_per_batch(self, samples: int) -> int:
+        """Optimizer steps one RL step of ``samples`` samples takes (what Lightning counts as steps)."""
+        from yatt_lightning.rollout.batch import mini_batch_slices
+
+        return self.ppo_epochs * len(mini_batch_slices(samples, self.mini_batches))
+
+    def count_steps(self, samples: int) -> None:
+        """Let Lightning count the optimizer steps of an RL step that ran none here (a rollout rank's, a
+        dropped batch's): every rank then stops at ``max_steps`` and logs the same steps."""
+        optimizer = self.optimizers()
+        inner = optimizer.optimizer
+        if hasattr(inner, "count_only"):
+            inner.count_only = True  # Megatron's optimizer is not run
+        try:
+            for _ in range(self.optimizer_steps_per_batch(samples)):
+                optimizer.step()
+        finally:
+            if hasattr(inner, "count_only"):
+                inner.count_only = False
+
     def produce_step(self, batch: list[dict]) -> None:
         """Rollout rank: generate and score this step's rows with the newest weights allowed, and send them."""
         strategy = self.trainer.strategy
-        placement, step = strategy.placement, self.trainer.global_step
+        placement = strategy.placement
+        step = placement.steps  # RL steps, not optimizer steps (an RL step may take several)
         try:
             version, waited, sync = placement.await_weights(step, strategy.engine)
             t0 = time.perf_counter()
@@ -49,14 +70,16 @@ class AsyncSteps:
         except Exception as err:  # the trainers wait for this batch: tell them, then fail here
             placement.tell_failure(err)
             raise
-        self.optimizers().step()  # counts the step
-        if step + 1 >= self.trainer.max_steps:
+        self.count_steps(len(rollouts) // max(1, placement.parts()))
+        placement.steps += 1
+        if self.trainer.global_step >= self.trainer.max_steps:
             placement.finish(step)
 
     def consume_step(self, batch: list[dict]) -> dict:
         """Trainer: train on this step's batch (or drop it, when too stale), then publish the new version."""
         strategy = self.trainer.strategy
-        placement, step = strategy.placement, self.trainer.global_step
+        placement = strategy.placement
+        step = placement.steps
         try:
             produced, figures = placement.take(step)
             rollouts = produced.batch
@@ -65,17 +88,15 @@ class AsyncSteps:
             if placement.too_stale(produced):
                 placement.dropped += 1
                 figures["async/dropped"] = float(placement.dropped)
-                optimizer = self.optimizers()
-                optimizer.optimizer.count_only = True  # Lightning counts the step; Megatron's optimizer is not run
-                optimizer.step()
-                optimizer.optimizer.count_only = False
+                self.count_steps(len(rollouts))
                 placement.publish(step, updated=False, export=None)
                 out = self.figures_only(rollouts, produced.reward_metrics, times, rank, figures)
             else:
                 figures["async/dropped"] = float(placement.dropped)
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
                 out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
-            if step + 1 >= self.trainer.max_steps:
+            placement.steps += 1
+            if self.trainer.global_step >= self.trainer.max_steps:
                 placement.finish(step)
             return out
         except Exception as err:  # the rollout ranks wait for weights: tell them, then fail here

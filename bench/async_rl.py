@@ -1,0 +1,205 @@
+"""Does asynchronous RL overlap rollout and training, and at what cost?
+
+Three runs of ``configs/grpo_small.yaml``'s model (``builtin:small4-qwen2``), 2 processes of one thread each,
+one after the other in this invocation, the same seeds and prompts:
+
+* **lag 0**: Disaggregated, 1 rollout rank + 1 trainer, ``max_staleness: 0`` (``fixed_lag``): the
+  synchronous step on separate ranks; its producer's own time per step is R (generate, score, apply the
+  weights) and its trainer's own time T (advantage, update, publish);
+* **lag 1**: the same with ``max_staleness: 1``: rollout of step k+1 overlaps training of step k;
+* **colocated**: FullColocation, DP=2 (each rank half the prompts): both cores do both stages in turn.
+
+Figures (means over the steps after ``--warmup``; throughput = samples / wall time per step, on rank 0):
+
+* ``bound`` = (R + T) / max(R, T) of the lag-0 run: what a perfect overlap could give;
+* ``async_over_sync`` = throughput lag 1 / lag 0;
+* ``overlap_efficiency`` = lag 1's step time / the slower side's own time in that run (1.0: the slower side
+  never waits);
+* ``async_over_colocated`` = throughput lag 1 / colocated (reported, not a target);
+* ``reward_gap`` = mean reward over the last fifth of the steps, lag 0 minus lag 1 (equal samples);
+* ``publish_over_bare`` = after the lag-1 run, one publish of the trainer's weights (export, pack, the
+  broadcast until the rollout rank holds it) / a bare broadcast of the same bytes on the same group;
+* ``push_over_vllm_load`` = after the colocated run, one colocated push (export + the engine's reload) /
+  the engine's reload of the same tensors, already exported (median of 3).
+
+    python bench/async_rl.py [--smoke] [--steps 30] [--tokens 160] [--warmup 2]
+
+Last line: ``bound=B async_over_sync=X overlap_efficiency=Y async_over_colocated=Z reward_gap=W
+publish_over_bare=V push_over_vllm_load=U``; targets B >= 1.8, X >= 1.5, Y <= 1.18, W <= 0.05, V <= 1.25,
+U <= 1.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = str(REPO / "configs" / "grpo_small.yaml")
+TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+DISAGGREGATED = "yatt_lightning.placement.Disaggregated"
+
+
+def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
+    import torch
+    from _common import build_cli
+    from lightning.pytorch import Callback
+
+    class Measure(Callback):
+        def __init__(self) -> None:
+            self.rows, self.last, self.end = [], None, {}
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            if trainer.strategy.role == "rollout" or outputs is None:
+                return
+            s = outputs["stats"].scalars
+            produce = s["time/rollout"] + s["time/sync"] + s["time/reward"]
+            train = s["time/train"] + s.get("time/publish", 0.0)  # a colocated step publishes nothing
+            self.rows.append({
+                "wall": now - self.last if self.last is not None else None, "produce": produce, "train": train,
+                "reward": s["reward/mean"], "samples": outputs["stats"].samples_count,
+            })  # fmt: skip
+            self.last = now
+
+        def on_train_end(self, trainer, module) -> None:
+            strategy = trainer.strategy
+            if mode == "lag1":
+                self.end = _publish_over_bare(strategy, module)
+            if mode == "colocated":
+                self.end = _push_over_load(strategy, module)
+            if trainer.global_rank == 0:
+                out.write_text(json.dumps({"rows": self.rows, **self.end}))
+
+    cli = build_cli(overrides, config=config)
+    cli.trainer.callbacks.append(Measure())
+    torch.manual_seed(0)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def _publish_over_bare(strategy, module) -> dict:
+    """One more publish of the trainer's weights, and a bare broadcast of as many bytes on the same group,
+    each timed on the rollout rank from a common start to holding the bytes."""
+    import torch
+
+    from yatt_lightning.placement.weight_channel import WEIGHTS
+
+    placement, group = strategy.placement, strategy.placement.weights
+    version = placement.updates + 1
+    size = torch.zeros(1, dtype=torch.int64)
+    times = {}
+    for what in ("publish", "bare"):
+        torch.distributed.barrier(group=group)
+        t0 = time.perf_counter()
+        if strategy.role == "train":
+            if what == "publish":
+                named = list(module.policy.export_hf())
+                size[0] = sum(t.numel() * t.element_size() for _, t in named)
+                placement.publisher.publish(WEIGHTS, version, -1, named)
+                placement.publisher.flush(placement.timeout_s)
+            else:
+                torch.distributed.broadcast(size, src=0, group=group)
+                torch.distributed.broadcast(torch.empty(int(size[0]), dtype=torch.uint8), src=0, group=group)
+        else:
+            if what == "publish":
+                placement.receiver.wait(lambda s: s.latest >= version, f"version {version}", placement.timeout_s)
+            else:
+                torch.distributed.broadcast(size, src=0, group=group)
+                torch.distributed.broadcast(torch.empty(int(size[0]), dtype=torch.uint8), src=0, group=group)
+        times[what] = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        torch.distributed.broadcast(times[what], src=1, group=group)  # the rollout rank's clock counts
+    return {"publish_s": float(times["publish"]), "bare_s": float(times["bare"]), "bytes": int(size[0])}
+
+
+def _push_over_load(strategy, module) -> dict:
+    """A colocated push (export + the engine's reload) against the reload of the same exported tensors."""
+    engine, pushes, loads = strategy.engine, [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        engine.push_weights(module.policy.export_hf())
+        pushes.append(time.perf_counter() - t0)
+        named = [(n, t.clone()) for n, t in module.policy.export_hf()]
+        t0 = time.perf_counter()
+        engine.push_weights(named)
+        loads.append(time.perf_counter() - t0)
+    return {"push_s": statistics.median(pushes), "load_s": statistics.median(loads)}
+
+
+def _run(tmp: Path, mode: str, config: str, args: argparse.Namespace) -> dict:
+    per_rank = args.prompts if mode != "colocated" else args.prompts // 2
+    overrides = [f"--trainer.max_steps={args.steps}", "--trainer.devices=2",
+                 f"--model.init_args.sampling.max_new_tokens={args.tokens}",
+                 f"--data.init_args.batch_size={per_rank}"]  # fmt: skip
+    if mode == "colocated":
+        overrides += ["--trainer.strategy.init_args.placement=yatt_lightning.placement.FullColocation"]
+    else:
+        lag = {"lag0": 0, "lag1": 1}[mode]
+        overrides += [f"--trainer.strategy.init_args.placement={DISAGGREGATED}",
+                      f"--trainer.strategy.init_args.placement.init_args.max_staleness={lag}",
+                      "--trainer.strategy.init_args.placement.init_args.fixed_lag=true"]  # fmt: skip
+    out = tmp / f"{mode}.json"
+    cmd = [sys.executable, __file__, "--child", str(out), mode, config, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        sys.path.insert(0, str(REPO / "bench"))
+        _child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=160, help="max_new_tokens: sized so that R ~ T at lag 0")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (colocated: half per rank)")
+    p.add_argument("--smoke", action="store_true", help="the tiny model, 6 steps of 6 tokens")
+    args = p.parse_args()
+    config = SMALL
+    if args.smoke:
+        config, args.steps, args.warmup, args.tokens = TINY, 6, 2, 6
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {mode: _run(Path(tmp), mode, config, args) for mode in ("lag0", "lag1", "colocated")}
+
+    def after_warmup(mode: str) -> list[dict]:
+        return [r for r in runs[mode]["rows"][args.warmup :] if r["wall"] is not None]
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.mean(r[key] for r in after_warmup(mode))
+
+    def throughput(mode: str) -> float:
+        rows = after_warmup(mode)
+        return sum(r["samples"] for r in rows) / sum(r["wall"] for r in rows)
+
+    R, T = mean("lag0", "produce"), mean("lag0", "train")
+    bound = (R + T) / max(R, T)
+    slower = max(mean("lag1", "produce"), mean("lag1", "train"))
+    fifth = max(1, args.steps // 5)
+    gap = statistics.mean(r["reward"] for r in runs["lag0"]["rows"][-fifth:]) - statistics.mean(
+        r["reward"] for r in runs["lag1"]["rows"][-fifth:]
+    )
+    for mode in runs:
+        print(f"{mode}: step {mean(mode, 'wall'):.3f}s produce {mean(mode, 'produce'):.3f}s "
+              f"train {mean(mode, 'train'):.3f}s samples/s {throughput(mode):.2f}")  # fmt: skip
+    lag1, colocated = runs["lag1"], runs["colocated"]
+    print(f"publish {lag1['publish_s']:.4f}s bare broadcast {lag1['bare_s']:.4f}s of {lag1['bytes'] / 2**20:.1f} MiB; "
+          f"colocated push {colocated['push_s']:.4f}s vLLM reload {colocated['load_s']:.4f}s")  # fmt: skip
+    print(
+        f"bound={bound:.3f} async_over_sync={throughput('lag1') / throughput('lag0'):.3f} "
+        f"overlap_efficiency={mean('lag1', 'wall') / slower:.3f} "
+        f"async_over_colocated={throughput('lag1') / throughput('colocated'):.3f} reward_gap={gap:.3f} "
+        f"publish_over_bare={lag1['publish_s'] / lag1['bare_s']:.3f} "
+        f"push_over_vllm_load={colocated['push_s'] / colocated['load_s']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
