@@ -84,36 +84,38 @@ def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
 
 
 def _publish_over_bare(strategy, module) -> dict:
-    """One more publish of the trainer's weights, and a bare broadcast of as many bytes on the same group,
-    each timed on the rollout rank from a common start to holding the bytes."""
+    """One more publish of the trainer's weights, and a bare broadcast of as many bytes between the same two
+    ranks over the same backend, each timed on the rollout rank from a common start to holding the bytes.
+    (The bare one uses a group of its own: the rollout rank always has the next header's receive posted on
+    the publish group, which another collective there would cross.)"""
     import torch
 
     from yatt_lightning.placement.weight_channel import WEIGHTS
 
-    placement, group = strategy.placement, strategy.placement.weights
-    version = placement.updates + 1
+    placement = strategy.placement
+    bare_group = torch.distributed.new_group([0, *placement.rollout], backend="gloo")
+    version = torch.tensor([placement.updates + 1])  # the trainer's next version
+    torch.distributed.broadcast(version, src=0)
+    version = int(version)
     size = torch.zeros(1, dtype=torch.int64)
     times = {}
     for what in ("publish", "bare"):
-        torch.distributed.barrier(group=group)
+        torch.distributed.barrier()
         t0 = time.perf_counter()
-        if strategy.role == "train":
-            if what == "publish":
-                named = list(module.policy.export_hf())
-                size[0] = sum(t.numel() * t.element_size() for _, t in named)
-                placement.publisher.publish(WEIGHTS, version, -1, named)
-                placement.publisher.flush(placement.timeout_s)
-            else:
-                torch.distributed.broadcast(size, src=0, group=group)
-                torch.distributed.broadcast(torch.empty(int(size[0]), dtype=torch.uint8), src=0, group=group)
+        if what == "publish" and strategy.role == "train":
+            named = list(module.policy.export_hf())
+            size[0] = sum(t.numel() * t.element_size() for _, t in named)
+            placement.publisher.publish(WEIGHTS, version, -1, named)
+            placement.publisher.flush(placement.timeout_s)
+        elif what == "publish":
+            placement.receiver.wait(lambda s: s.latest >= version, f"version {version}", placement.timeout_s)
         else:
-            if what == "publish":
-                placement.receiver.wait(lambda s: s.latest >= version, f"version {version}", placement.timeout_s)
-            else:
-                torch.distributed.broadcast(size, src=0, group=group)
-                torch.distributed.broadcast(torch.empty(int(size[0]), dtype=torch.uint8), src=0, group=group)
+            torch.distributed.broadcast(torch.empty(int(size[0]), dtype=torch.uint8), src=0, group=bare_group)
         times[what] = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        torch.distributed.broadcast(times[what], src=1, group=group)  # the rollout rank's clock counts
+        if what == "publish":
+            torch.distributed.broadcast(size, src=0)  # the rollout rank learns the size for the bare one
+    for what in times:
+        torch.distributed.broadcast(times[what], src=placement.rollout[0])  # the rollout rank's clock counts
     return {"publish_s": float(times["publish"]), "bare_s": float(times["bare"]), "bytes": int(size[0])}
 
 

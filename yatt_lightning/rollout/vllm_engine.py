@@ -366,6 +366,17 @@ def join_engine_groups() -> None:
     from vllm.distributed import parallel_state
 
     rank = torch.distributed.get_rank()
-    with set_current_vllm_config(VllmConfig()):
+    config = VllmConfig()
+    # The groups follow the model: an engine of a dense model builds no expert-parallel group, and vLLM
+    # builds one when it has no model config; say "a dense model" so the same groups are built here.
+    object.__setattr__(config, "model_config", _DenseModel())
+    with set_current_vllm_config(config):
         parallel_state.init_distributed_environment(1, rank, "env://", rank, "gloo")
         parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+class _DenseModel:
+    """What vLLM's group set-up reads of a model config (see :func:`join_engine_groups`)."""
+
+    is_moe = False
+    architecture = "dense"
