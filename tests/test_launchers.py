@@ -175,6 +175,20 @@ def test_torchrun_two_nodes_tensor_parallel(tmp_path):
     _assert_trained_three_steps(launch)
 
 
+def test_torchrun_two_nodes_rollout_on_one_training_on_the_other(tmp_path):
+    """Asynchronous RL across 2 "nodes": the trainer on node 0, the rollout rank (engine, rewards) on node 1;
+    batches and weights cross between them over torch.distributed."""
+    placement = json.dumps({"class_path": "yatt_lightning.placement.Disaggregated", "init_args": {"max_staleness": 1}})
+    launch = _torchrun(tmp_path, "--trainer.strategy.placement", placement)
+    probes = launch.probes
+    assert [(p["node_rank"], p["role"]) for p in probes] == [(0, "train"), (1, "rollout")]
+    assert [p["global_step"] for p in probes] == [3, 3]
+    assert probes[1]["param_checksum"] is None and probes[0]["param_checksum"] > 0
+    assert len(launch.event_files) == 1  # only the trainer, global rank 0, logs
+    assert [step for step, _ in launch.scalars["actor/pg_loss"]] == [0, 1, 2]
+    assert max(_values(launch, "async/staleness_max")) <= 1.0
+
+
 def test_slurm_two_nodes_one_task_each(torchrun_dp2, tmp_path):
     """srun's variables for `sbatch --nodes 2 --ntasks-per-node 1`: Lightning picks SLURMEnvironment, takes
     the ranks from SLURM_PROCID / SLURM_NODEID / SLURM_LOCALID, the rendezvous address from the first node of

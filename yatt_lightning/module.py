@@ -199,7 +199,7 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.prompt_format = self.prompt_format_for(path, self.tokenizer)
         if self.trainer.strategy.role == "rollout":  # a disaggregated rollout rank: no Megatron model here
-            self._check_disaggregated()
+            self.check_disaggregated()
             from transformers import AutoConfig
 
             from yatt_lightning.models import vlm
@@ -232,17 +232,8 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         if self.trainer.strategy.role == "rollout":
             return StepCounter()
         if self.trainer.strategy.role == "train":
-            self._check_disaggregated()
+            self.check_disaggregated()
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
-
-    def _check_disaggregated(self) -> None:
-        """What the disaggregated placement does not run yet, refused before any engine starts."""
-        for key, value in (("dynamic_sampling", self.dynamic_sampling), ("critic", self.critic)):
-            if value is not None:
-                raise ValueError(
-                    f"`model.{key}` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
-                    "remove it or use FullColocation."
-                )
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -42,7 +42,8 @@ class PartialColocation(Placement):
         self.rollout_ranks = rollout_ranks
         self.min_judge_batch = min_judge_batch
         self.pairing: Pairing | None = None
-        self.setup: RolloutSetup | None = None
+        self.tokenizer = None  # and the judges: what generate needs of the setup, kept at start_engines
+        self.reward_functions: list = []
 
     def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
         if world < 2:
@@ -78,7 +79,7 @@ class PartialColocation(Placement):
             raise ValueError(
                 "PartialColocation overlaps generation with a GenerativeRewardModel; add one to `model.rewards`."
             )
-        self.setup = setup
+        self.tokenizer, self.reward_functions = setup.tokenizer, setup.reward_functions
         # A separate group carries the stream, so it never interleaves with the trainer's collectives.
         self.pairing = dataclasses.replace(self.pairing, group=torch.distributed.new_group(backend="gloo"))
         # In-process engines join the trainer's process group: vLLM's groups are created by whichever engine
@@ -100,8 +101,8 @@ class PartialColocation(Placement):
             )
         with wire.category("rollout"):
             received, _ = collectives.exchange_objects(outgoing)
-        judges = self.judges(self.setup.reward_functions)
+        judges = self.judges(self.reward_functions)
         if me in pairing.rollout:
             work = [(src, w) for src, w in enumerate(received) if isinstance(w, JudgeWork)]
-            return rollout_side(pairing, engine, self.setup.tokenizer, request, keep, work)
+            return rollout_side(pairing, engine, self.tokenizer, request, keep, work)
         return judge_side(pairing, judges, request)

@@ -32,6 +32,15 @@ class StepCounter(torch.optim.Optimizer):
 class AsyncSteps:
     """The producer's and the consumer's step (mixed into ``RLHFModule``)."""
 
+    def check_disaggregated(self) -> None:
+        """What the disaggregated placement does not run yet, refused before any engine starts."""
+        for key, value in (("dynamic_sampling", self.dynamic_sampling), ("critic", self.critic)):
+            if value is not None:
+                raise ValueError(
+                    f"`model.{key}` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
+                    "remove it or use FullColocation."
+                )
+
     def optimizer_steps_per_batch(self, samples: int) -> int:
         """Optimizer steps one RL step of ``samples`` samples takes (what Lightning counts as steps)."""
         from yatt_lightning.rollout.batch import mini_batch_slices

@@ -38,17 +38,21 @@ class ClusterProbe(Callback):
             "node_rank": trainer.node_rank,
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
+            "role": strategy.role,
             "data_parallel_rank": strategy.data_parallel_rank,
-            "tensor_parallel_rank": ps.get_tensor_model_parallel_rank(),
-            "tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            # A disaggregated rollout rank has no Megatron model, so no Megatron ranks
+            "tensor_parallel_rank": ps.get_tensor_model_parallel_rank() if strategy.role != "rollout" else None,
+            "tensor_parallel_size": ps.get_tensor_model_parallel_world_size() if strategy.role != "rollout" else None,
             "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
             "MASTER_PORT": os.environ.get("MASTER_PORT"),
         }
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        with torch.no_grad():
-            checksum = sum(p.double().abs().sum().item() for p in pl_module.policy.parameters())
+        checksum = None
+        if pl_module.policy is not None:
+            with torch.no_grad():
+                checksum = sum(p.double().abs().sum().item() for p in pl_module.policy.parameters())
         self.record.update(global_step=trainer.global_step, param_checksum=checksum)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
