@@ -65,6 +65,7 @@ def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
             self.rows.append({
                 "wall": now - self.last if self.last is not None else None, "produce": produce, "train": train,
                 "reward": s["reward/mean"], "samples": outputs["stats"].samples_count,
+                "staleness": s.get("async/staleness_max", 0.0),  # a colocated step has none
             })  # fmt: skip
             self.last = now
 
@@ -192,6 +193,7 @@ def main() -> None:
         print(f"{mode}: step {mean(mode, 'wall'):.3f}s produce {mean(mode, 'produce'):.3f}s "
               f"train {mean(mode, 'train'):.3f}s samples/s {throughput(mode):.2f}")  # fmt: skip
     lag1, colocated = runs["lag1"], runs["colocated"]
+    print(" ".join(f"{mode}_staleness_max={max(r['staleness'] for r in runs[mode]['rows']):.0f}" for mode in runs))
     print(f"publish {lag1['publish_s']:.4f}s bare broadcast {lag1['bare_s']:.4f}s of {lag1['bytes'] / 2**20:.1f} MiB; "
           f"colocated push {colocated['push_s']:.4f}s vLLM reload {colocated['load_s']:.4f}s")  # fmt: skip
     print(

@@ -256,7 +256,7 @@ def _tracked(ckpts: Path) -> tuple[int, list[str]]:
     """The step the ``latest`` tracker names (0: none) and the problems verification finds in it."""
     if not (ckpts / "latest").is_file():
         return 0, []
-    from yatt_lightning import checkpoint as ckpt  # (imports torch: not before the first runs started)
+    from yatt_lightning.checkpoint import folder as ckpt  # (imports torch: not before the first runs started)
 
     tracked = ckpt.tracked(ckpts)
     return int(tracked.name.split("-")[1]), ckpt.verify(tracked)

@@ -94,7 +94,7 @@ def test_two_ranks_count_exact_bytes_per_category():
     assert (c1.sent["rollout"], c1.received["rollout"]) == (8 + p, 4000 + 8)
     for c in (c0, c1):
         assert (c.sent["gradients"], c.received["gradients"]) == (4096, 4096)
-        assert c.calls == {"rollout": 3, "gradients": 1, "control": 3}
+        assert c.calls == {"rollout": 3, "gradients": 1, "control": 3, "weights": 0}
     assert (c0.sent["control"], c0.received["control"]) == (32 + 64, 32)
     assert (c1.sent["control"], c1.received["control"]) == (32, 32 + 64)
     assert a0 == c0 and a1 == c1
