@@ -27,6 +27,7 @@ numbers; ``on_stale: drop`` is never deterministic.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -199,8 +200,6 @@ class Disaggregated(Placement):
         target = bound if self.fixed_lag else max([self.engine_version, *state.versions])
         seconds = 0.0
         if target != self.engine_version and target in state.versions:
-            import time
-
             t0 = time.perf_counter()
             engine.push_weights(self.receiver.take(target))
             seconds = time.perf_counter() - t0
@@ -236,8 +235,6 @@ class Disaggregated(Placement):
         """After the trainer's step ``step``: the new version (``export()``: its Hugging Face tensors; collective
         over the model-parallel group), or an acknowledgement when the step updated nothing or it is not time
         to publish. Returns the seconds spent (exporting and posting)."""
-        import time
-
         t0 = time.perf_counter()
         if updated:
             self.updates += 1
