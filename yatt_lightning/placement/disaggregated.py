@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -278,12 +277,6 @@ class Disaggregated(Placement):
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.updates, self.dropped = state["steps"], state["updates"], state["dropped"]
-
-    @contextlib.contextmanager
-    def scoring(self, reward_functions) -> Iterator[dict[str, float]]:
-        figures: dict[str, float] = {}
-        yield figures
-        figures.update(memory("reward"))
 
 
 def _split(batch, parts: int) -> list:
