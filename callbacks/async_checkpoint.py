@@ -18,6 +18,10 @@ The writers are started with those signals blocked, so a Ctrl-C that reaches the
 main thread). On an exception it saves only when the state is consistent (no
 optimizer step of the failed RL step was taken), every rank raised the same error and at least one step
 was trained since the run started, and says which it did.
+
+With :class:`~yatt_lightning.placement.Disaggregated`, the trainers decide at their safe point (over their
+own group, counting a signal any rollout rank reported) and the rollout ranks follow that decision at theirs
+(:meth:`~yatt_lightning.placement.Disaggregated.decide`): the two sides never meet but to save.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class AsyncCheckpoint(Callback):
         self._scheduled_step: int | None = None  # the newest step a save was started for
         self._last_save_time = time.monotonic()
         self._signal_received: int | None = None
+        self._stop_requested = False  # a disaggregated rollout rank told the trainers of its signal
         self.stopped_by: int | None = None  # the signal that stopped training (its exit code is 128 + it)
         self._start_step = 0
         self._old_handlers: dict = {}
@@ -141,28 +146,68 @@ class AsyncCheckpoint(Callback):
         """The safe point: after the optimizer step, before the next rollout's weight push."""
         t0 = time.perf_counter()
         self._finalize(trainer, blocking=False)
+        if trainer.strategy.role != "colocated":
+            self._follow(trainer, self._decisions(trainer, final=False))
+            self.stall_seconds += time.perf_counter() - t0
+            return
         step = trainer.global_step
         signalled, time_due = self._agree(trainer)
         due = (self.every_n_steps and step % self.every_n_steps == 0) or time_due or signalled
         if due and step != self._scheduled_step:
             self.save(trainer)
         if signalled:
-            self._finalize(trainer, blocking=True)
-            name = signal.Signals(self._signal_received).name if self._signal_received else "a signal on another rank"
-            log.warning(
-                "%s: received %s; saved step %d to %s; stopping training",
-                "interrupted" if self._signal_received == signal.SIGINT else "preemption", name, step,
-                self.dirpath / ckpt.checkpoint_name(step),
-            )  # fmt: skip
-            self.stopped_by = self._signal_received or signal.SIGTERM
-            trainer.should_stop = True
+            self._stop(trainer, self._signal_received, step)
         self.stall_seconds += time.perf_counter() - t0
+
+    def _stop(self, trainer, signum: int | None, step: int) -> None:
+        self._finalize(trainer, blocking=True)
+        name = signal.Signals(signum).name if signum else "a signal on another rank"
+        log.warning(
+            "%s: received %s; saved step %d to %s; stopping training",
+            "interrupted" if signum == signal.SIGINT else "preemption", name, step,
+            self.dirpath / ckpt.checkpoint_name(step),
+        )  # fmt: skip
+        self.stopped_by = signum or signal.SIGTERM
+        trainer.should_stop = True
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.save_at_end and trainer.global_step != self._scheduled_step:
+        if trainer.strategy.role == "train":
+            self._follow(trainer, self._decisions(trainer, final=True))
+        elif trainer.strategy.role == "rollout":  # the decisions of the trainers' last steps, to their end
+            while not trainer.strategy.placement.trainers_done:
+                self._follow(trainer, self._decisions(trainer, final=True))
+        elif self.save_at_end and trainer.global_step != self._scheduled_step:
             self.save(trainer)
         self._finalize(trainer, blocking=True)
+
+    # ------------------------------------------------------------------ a disaggregated placement's safe points
+    def _decisions(self, trainer, final: bool) -> list:
+        """The trainers decide; a rollout rank reports its signal and takes the decisions it follows now."""
+        placement = trainer.strategy.placement
+        signum = self._signal_received if self.save_on_signal else None
+        if trainer.strategy.role == "rollout":
+            if signum is not None and not self._stop_requested:
+                placement.request_stop(signum)
+                self._stop_requested = True
+            return placement.decisions(final)
+        step = trainer.global_step
+        minutes = (time.monotonic() - self._last_save_time) / 60
+        due = bool(self.every_n_steps and step % self.every_n_steps == 0) or bool(
+            trainer.is_global_zero and self.every_minutes and minutes >= self.every_minutes
+        )
+        if final:
+            due, signum = self.save_at_end, None  # the run ends here anyway
+        return [placement.decide(due and step != self._scheduled_step, signum, step, final)]
+
+    def _follow(self, trainer, decisions: list) -> None:
+        for decision in decisions:
+            if decision.save:
+                if trainer.strategy.role == "rollout":
+                    trainer.strategy.placement.join_save(decision)
+                self.save(trainer, step=decision.global_step)
+            if decision.stop and not decision.final:
+                self._stop(trainer, decision.signal, decision.global_step)
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -213,12 +258,13 @@ class AsyncCheckpoint(Callback):
             log.error("saving after %s failed too: %s", type(exception).__name__, err)
 
     # ------------------------------------------------------------------ saving
-    def save(self, trainer, asynchronous: bool | None = None) -> None:
-        """Collective: start a checkpoint of the current state (at most one in flight)."""
+    def save(self, trainer, asynchronous: bool | None = None, step: int | None = None) -> None:
+        """Collective: start a checkpoint of the current state (at most one in flight), named by ``step``
+        (default: this rank's; a disaggregated rollout rank saves under the trainers' step)."""
         asynchronous = self.async_save if asynchronous is None else asynchronous
         if self._pending:
             self._finalize(trainer, blocking=True)
-        step = trainer.global_step
+        step = trainer.global_step if step is None else step
         final = self.dirpath / ckpt.checkpoint_name(step)
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state["yatt_rng"] = _rng_states()

@@ -1,6 +1,10 @@
 """Asynchronous RL on the disaggregated placement: pure parts, then real 2-process runs of ``yatt fit``."""
 
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
 import time
 
@@ -116,6 +120,68 @@ def test_a_slow_consumer_never_trains_on_a_batch_older_than_max_staleness(tmp_pa
         assert s["async"]["async/staleness_max"] == 0.0 or s["trained"] is False
         assert s["trained"] is (s["async"]["async/staleness_max"] == 0.0)
     assert sum(not s["trained"] for s in drop) == drop[-1]["async"]["async/dropped"]
+
+
+def _saver(dirpath, every: int) -> str:
+    return json.dumps([{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+                        "init_args": {"every_n_steps": every, "dirpath": str(dirpath)}}])  # fmt: skip
+
+
+def _fit_alone(out, *args, timeout=300) -> subprocess.CompletedProcess:
+    """A run in its own process group (``--kill sigkill`` kills that group)."""
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+
+
+def _records(out) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "record.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}  # a resumed run's rows replace the killed run's
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path):
+    """``fixed_lag`` (max_staleness 1), checkpoints every 2 RL steps. SIGTERM reaches the rollout rank only, as
+    its step 3 starts: the trainers save at their next safe point (holding the batch generated ahead of them)
+    and both ranks exit 143. Resumed, the trainer SIGKILLs the whole run at step 6; resumed again, it runs to
+    the end. Every step's samples and rewards and the final weights equal those of a run never interrupted."""
+    from safetensors.torch import load_file
+
+    common = ["--trainer.max_steps=16", "--data.init_args.batch_size=4",  # 8 RL steps of 2 optimizer steps
+              "--trainer.strategy.placement.init_args.fixed_lag=true"]  # fmt: skip
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _fit(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 4))
+    saver = ["--trainer.callbacks", _saver(cut / "ckpts", 4)]
+
+    first = _fit_alone(cut, "--kill", "sigterm-rollout:3", *common, *saver)
+    log = first.stdout + first.stderr
+    assert first.returncode == 128 + signal.SIGTERM, log[-4000:]
+    stopped = re.findall(r"preemption: received SIGTERM; saved step (\d+) to \S+; stopping training", log)
+    assert len(stopped) == 2 and stopped[0] == stopped[1], "both ranks stop after saving the same step"
+    saved = int(stopped[0])
+    assert saved in (6, 8), f"the trainer one step behind the rollout rank saves at its next safe point, not {saved}"
+    assert f"checkpoint saved: step {saved}" in log
+
+    second = _fit_alone(cut, "--kill", "sigkill:6", *common, *saver, "--ckpt_path", "last")
+    log = second.stdout + second.stderr
+    assert second.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), log[-4000:]
+    assert f"resuming from {cut / 'ckpts'}/step-{saved:08d}" in log
+    reported = [int(m) for m in re.findall(r"checkpoint saved: step (\d+)", log)]
+
+    last = _fit_alone(cut, *common, *saver, "--ckpt_path", "last")
+    log = last.stdout + last.stderr
+    assert last.returncode == 0, log[-4000:]
+    assert f"resuming from {cut / 'ckpts'}/step-{max(reported, default=saved):08d}" in log
+
+    a, b = _records(whole), _records(cut)
+    assert sorted(a) == sorted(b) == list(range(8))
+    for step in a:
+        assert a[step]["completions"] == b[step]["completions"], f"step {step}: different samples"
+        assert a[step]["rewards"] == b[step]["rewards"], f"step {step}: different rewards"
+        assert a[step]["async"]["async/version"] == b[step]["async"]["async/version"] == max(0, step - 1)
+    wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
 
 
 @pytest.mark.slow

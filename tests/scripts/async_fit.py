@@ -1,15 +1,20 @@
 """Run ``yatt fit`` (the real CLI) and record, per step, what was trained on; for the asynchronous tests.
 
-    python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--fail-at STEP] [yatt CLI overrides...]
+    python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--fail-at STEP] [--kill WHAT:STEP]
+                                      [yatt fit overrides...]
 
 Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
-and the async figures) and OUT_DIR/weights.safetensors (the final policy under Hugging Face names).
-``--slow-train``: every training step sleeps that long first (a slow consumer). ``--fail-at``: the
-reward raises at that step on the rank that scores (a failing rollout rank).
+and the async figures; also appended as it goes to OUT_DIR/record.jsonl, across resumed runs) and
+OUT_DIR/weights.safetensors (the final policy under Hugging Face names). ``--slow-train``: every training
+step sleeps that long first (a slow consumer). ``--fail-at``: the reward raises at that step on the rank
+that scores (a failing rollout rank). ``--kill sigterm-rollout:STEP``: the rollout rank sends itself SIGTERM
+as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group as its RL
+step STEP starts. The run is the real ``yatt fit`` (``--ckpt_path last``, the exit code 128 + signal).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -20,7 +25,6 @@ from pathlib import Path  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 FAIL_AT = {"step": -1}
@@ -36,11 +40,17 @@ def failing_reward(prompt: str, completion: str, **row) -> float:
 
 
 class Record(Callback):
-    def __init__(self, out: Path, slow: float, fail_at: int) -> None:
-        self.out, self.slow, self.fail_at, self.steps = out, slow, fail_at, []
+    def __init__(self, out: Path, slow: float, fail_at: int, kill: tuple[str, int] | None) -> None:
+        self.out, self.slow, self.fail_at, self.kill, self.steps = out, slow, fail_at, kill, []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         role = trainer.strategy.role
+        step = getattr(trainer.strategy.placement, "steps", batch_idx)  # the RL step (colocated: the batch)
+        if self.kill == ("sigterm-rollout", step) and role == "rollout":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.kill == ("sigkill", step) and role == "train":
+            os.write(1, f"FAULT: SIGKILL at step {step}\n".encode())
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         if self.slow and role != "rollout":
             time.sleep(self.slow)
         if batch_idx == self.fail_at and role != "train":
@@ -53,11 +63,15 @@ class Record(Callback):
         rollouts = module.last_rollouts
         scalars = outputs["stats"].scalars
         self.steps.append({
+            "step": getattr(trainer.strategy.placement, "steps", len(self.steps) + 1) - 1,
             "completions": [list(c) for c in rollouts.completion_ids],
             "rewards": rollouts.rewards.tolist(),
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
             "trained": "actor/pg_loss" in scalars,
         })  # fmt: skip
+        if trainer.global_rank == 0:
+            with open(self.out / "record.jsonl", "a") as f:
+                f.write(json.dumps(self.steps[-1]) + "\n")
 
     def on_train_end(self, trainer, module) -> None:
         if trainer.strategy.role == "rollout":
@@ -71,12 +85,17 @@ class Record(Callback):
 
 
 def main() -> None:
-    from _common import build_cli
+    from yatt_lightning.run.cli import YattCLI
+    from yatt_lightning.run.logging_setup import configure_logging
 
-    out, args = Path(sys.argv[1]), sys.argv[2:]
+    out, args = Path(sys.argv[1]), sys.argv[2:]  # Lightning re-runs sys.argv for the other ranks: left as is
     slow = float(args[args.index("--slow-train") + 1]) if "--slow-train" in args else 0.0
     fail_at = int(args[args.index("--fail-at") + 1]) if "--fail-at" in args else -1
-    for flag in ("--slow-train", "--fail-at"):
+    kill = None
+    if "--kill" in args:
+        what, step = args[args.index("--kill") + 1].split(":")
+        kill = (what, int(step))
+    for flag in ("--slow-train", "--fail-at", "--kill"):
         if flag in args:
             i = args.index(flag)
             del args[i : i + 2]
@@ -84,9 +103,15 @@ def main() -> None:
     overrides = [f"--trainer.logger.init_args.save_dir={out / 'tb'}"] + args
     if fail_at >= 0:
         overrides += ["--model.init_args.reward_fn=tests.scripts.async_fit.failing_reward"]
-    cli = build_cli(overrides, logger=True, config=str(REPO / "configs" / "grpo_async_tiny.yaml"))
-    cli.trainer.callbacks.append(Record(out, slow, fail_at))
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    configure_logging()
+
+    class AsyncFitCLI(YattCLI):
+        def before_fit(self) -> None:
+            self.trainer.callbacks.append(Record(out, slow, fail_at, kill))
+            super().before_fit()
+
+    config = str(REPO / "configs" / "grpo_async_tiny.yaml")
+    AsyncFitCLI(args=["fit", "--config", config, "--trainer.callbacks", "[]", *overrides], console=False)
 
 
 if __name__ == "__main__":

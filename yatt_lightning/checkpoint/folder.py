@@ -29,13 +29,22 @@ import json
 import logging
 import os
 import queue
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from yatt_lightning.checkpoint.listing import (  # noqa: F401 (public here too)
+    TRACKER,
+    checkpoint_step,
+    complete_checkpoints,
+    read_manifest,
+    resume_target,
+    run_id_of,
+    step_of_name,
+    tracked,
+)
 from yatt_lightning.checkpoint.verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
 from yatt_lightning.checkpoint.writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
 from yatt_lightning.distributed import failures
@@ -44,7 +53,6 @@ from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 log = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
-TRACKER = "latest"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
 
 
@@ -117,6 +125,12 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
     module = strategy.lightning_module
+    if _trainers_group(strategy) is not None:  # a disaggregated placement: the rollout ranks write first
+        if strategy.role == "rollout":
+            _write_and_describe(None, tmp, strategy.global_rank, state_bytes)  # no weights; the trainers finalize
+        strategy.barrier("checkpoint-rollout-parts")
+        if strategy.role == "rollout":
+            return None
     with megatron_cpu_context():
         request = dist_checkpointing.save(
             _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
@@ -136,10 +150,15 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
 
 
 def finalize(strategy, final: Path) -> None:
-    """Collective: manifest, rename ``.tmp`` to ``final``, then point ``latest`` at it."""
+    """Collective: manifest, rename ``.tmp`` to ``final``, then point ``latest`` at it. In a disaggregated
+    placement it is the trainers' (the rollout ranks wrote their parts in :func:`begin`)."""
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
-    rank, world = strategy.global_rank, strategy.world_size
+    group = _trainers_group(strategy)
+    if getattr(strategy, "role", "colocated") == "rollout":
+        return
+    rank = strategy.global_rank
+    world = torch.distributed.get_world_size(group) if group is not None else strategy.world_size
     partial_manifest = tmp / f"manifest_rank{rank}.json"
     error = None
     try:
@@ -148,19 +167,23 @@ def finalize(strategy, final: Path) -> None:
         if rank == 0:  # files written once, by rank 0, in Megatron's finalisation or before the save
             shared = [p for p in sorted(tmp.rglob("*")) if p.is_file() and _shared_file(p, tmp)]
             entries.update({str(p.relative_to(tmp)): _describe(p) for p in shared})
+            for other in strategy.placement.rollout if group is not None else []:  # durable since begin()
+                part = tmp / f"manifest_rank{other}.json"
+                entries.update(json.loads(part.read_text()))
+                part.unlink()
     except (OSError, ValueError) as err:  # every rank must hear of it: the others wait in the gather below
         error_file = tmp / f"error_rank{rank}.txt"
         cause = error_file.read_text() if error_file.is_file() else f"{type(err).__name__}: {err}"
         error = CheckpointError(f"the checkpoint of {final.name} was not saved: rank {rank}: {cause}")
-    failures.agree(error)  # nothing is renamed or tracked unless every rank wrote its part
+    failures.agree(error, group)  # nothing is renamed or tracked unless every rank wrote its part
     gathered = [None] * world
     if world > 1:
-        torch.distributed.all_gather_object(gathered, entries)
+        torch.distributed.all_gather_object(gathered, entries, group=group)
     else:
         gathered = [entries]
     if rank == 0:
         files = {k: v for part in gathered for k, v in part.items()}
-        manifest = {"format": 1, "world_size": world, "step": step_of_name(final.name),
+        manifest = {"format": 1, "world_size": strategy.world_size, "step": step_of_name(final.name),
                     "run_id": getattr(strategy, "run_id", None), "files": files}  # fmt: skip
         for directory in (tmp / WEIGHTS, tmp / "hf", tmp):
             _fsync_dir(directory)  # the files' names are durable before the manifest lists them
@@ -175,7 +198,16 @@ def finalize(strategy, final: Path) -> None:
         _fsync_dir(final.parent)
         _write_durable(final.parent / TRACKER, final.name.encode(), atomic=True)
         shutil.rmtree(aside, ignore_errors=True)
-    strategy.barrier("checkpoint-finalized")
+    if group is None:
+        strategy.barrier("checkpoint-finalized")
+    else:
+        torch.distributed.barrier(group=group)
+
+
+def _trainers_group(strategy):
+    """The trainers' group in a disaggregated placement (its two sides save at one point but the trainers
+    finish the checkpoint alone, asynchronously); ``None`` when every rank trains."""
+    return strategy.controller.group if getattr(strategy, "role", "colocated") != "colocated" else None
 
 
 def _write_and_describe(write, tmp: Path, rank: int, state_bytes: bytes, *args, **kwargs) -> None:
@@ -205,63 +237,7 @@ def _shared_file(path: Path, root: Path) -> bool:
     return not per_rank
 
 
-# ---------------------------------------------------------------------------------------------- verify and resolve
-def step_of_name(name: str) -> int | None:
-    """The step in a checkpoint folder's name (``step-00000020`` -> 20; Lightning's ``epoch=0-step=2.ckpt``
-    -> 2), or ``None``."""
-    m = re.search(r"step[-=](\d+)", name)
-    return int(m.group(1)) if m else None
-
-
-def read_manifest(folder: Path) -> dict | None:
-    """The manifest of ``folder``, or ``None`` when it is missing or unreadable."""
-    try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def checkpoint_step(folder: Path) -> int:
-    """The step a checkpoint holds: its manifest's record (its folder name for checkpoints written before
-    manifests recorded it)."""
-    manifest = read_manifest(folder) or {}
-    step = manifest.get("step")
-    return int(step) if isinstance(step, int) else (step_of_name(Path(folder).name) or 0)
-
-
-def run_id_of(folder: Path) -> str | None:
-    """The id of the run that wrote ``folder`` (``None`` when unknown)."""
-    return (read_manifest(folder) or {}).get("run_id")
-
-
-def complete_checkpoints(directory: Path, run_id: str | None = None) -> list[Path]:
-    """Checkpoint folders in ``directory`` that have a manifest, highest step first (by the step the
-    manifest records, not file times); with ``run_id``, only that run's."""
-    found = [p for p in Path(directory).glob("step-*") if p.is_dir() and p.name.count(".") == 0]
-    complete = [p for p in found if (p / MANIFEST).is_file()]
-    if run_id is not None:
-        complete = [p for p in complete if run_id_of(p) == run_id]
-    return sorted(complete, key=lambda p: (checkpoint_step(p), p.name), reverse=True)
-
-
-def resume_target(directory: Path) -> Path | None:
-    """What ``--ckpt_path last`` loads from ``directory``: its ``latest`` tracker (the strategy then picks
-    the newest intact checkpoint from there), or ``None`` when no checkpoint was completed yet."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    if (directory / TRACKER).is_file() or complete_checkpoints(directory):
-        return directory / TRACKER
-    return None
-
-
-def tracked(directory: Path) -> Path | None:
-    """The checkpoint the ``latest`` tracker names, if any."""
-    tracker = Path(directory) / TRACKER
-    return Path(directory) / tracker.read_text().strip() if tracker.is_file() else None
-
-
+# ---------------------------------------------------------------------------------------------- resolve
 def resolve(strategy, path: Path) -> Path:
     """Collective: the checkpoint to load for ``path``.
 
@@ -330,6 +306,8 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
 
     folder = Path(checkpoint["_yatt_checkpoint_dir"])
     module = strategy.lightning_module
+    if module.policy is None:
+        return  # a disaggregated rollout rank: it gets the trainers' weights through the weight channel
     critic = module.critic_model
     with megatron_cpu_context():
         state = dist_checkpointing.load(_sharded_state(module.policy, critic, is_loading=True), str(folder / WEIGHTS))

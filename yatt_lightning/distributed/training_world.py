@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import torch
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-                "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object")  # fmt: skip
+                "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object", "scatter_object_list", "gather",
+                "scatter", "reduce_scatter", "all_to_all")  # fmt: skip
 _state = threading.local()
 _size: int | None = None
 _group = None

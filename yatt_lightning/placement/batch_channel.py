@@ -10,6 +10,7 @@ rank that fails sends :class:`ProducerFailure` instead; the trainer raises
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -40,6 +41,20 @@ class ProducerFailure:
 
 
 @dataclass(frozen=True)
+class SaveMarker:
+    """Sent as the rollout rank joins a checkpoint: the batches before it belong in the trainers' checkpoint."""
+
+    step: int  # the rollout rank's last produced step
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The rollout rank received ``signal``: the trainers stop (and save) at their next safe point."""
+
+    signal: int
+
+
+@dataclass(frozen=True)
 class EndOfRun:
     """The producer's last message: the trainer's receiving thread ends."""
 
@@ -52,7 +67,7 @@ class BatchSender:
         self.group, self.timeout_s = group, timeout_s
         self.requests: list = []
 
-    def send(self, message: Produced | ProducerFailure | EndOfRun, dst: int) -> None:
+    def send(self, message: Produced | ProducerFailure | SaveMarker | StopRequest | EndOfRun, dst: int) -> None:
         self.flush()
         with wire.category("rollout"):
             self.requests += collectives.isend_object(message, dst, self.group)
@@ -64,11 +79,14 @@ class BatchSender:
 
 
 class BatchInbox:
-    """A trainer rank's end: batches from rollout rank ``src``, in order, received by a thread."""
+    """A trainer rank's end: batches from rollout rank ``src``, in order, received by a thread. ``held``:
+    batches taken off the channel for a checkpoint (or restored from one), trained on first."""
 
-    def __init__(self, group, src: int) -> None:
+    def __init__(self, group, src: int, held: list[Produced] | None = None) -> None:
         self.group, self.src = group, src
         self.arrived: queue.Queue = queue.Queue()
+        self.held: collections.deque[Produced] = collections.deque(held or [])
+        self.stop_requested: int | None = None  # the signal a StopRequest named
         self.thread = threading.Thread(target=self._receive, name=f"yatt-batches-from-{src}", daemon=True)
         self.thread.start()
 
@@ -79,21 +97,37 @@ class BatchInbox:
                     message = collectives.recv_object(self.src, self.group)
             except Exception as err:  # the channel broke (the producer died): the trainer raises it
                 message = ProducerFailure(self.src, f"{type(err).__name__}: {err}")
+            if isinstance(message, StopRequest):
+                self.stop_requested = message.signal
+                continue
             self.arrived.put(message)
             if isinstance(message, (ProducerFailure, EndOfRun)):
                 return
 
-    def take(self, step: int, timeout_s: float) -> tuple[Produced, float, int]:
-        """The batch of ``step``, the seconds waited for it, and how many batches had arrived (with it)."""
-        t0 = time.monotonic()
-        depth = self.arrived.qsize()
+    def _next(self, what: str, timeout_s: float):
         try:
             message = self.arrived.get(timeout=timeout_s)
         except queue.Empty:
-            raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s batch of step {step}") from None
+            raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s {what}") from None
         if isinstance(message, ProducerFailure):
             raise RankFailure(message.origin, message.cause, agreed=False, how="a rollout rank failed")
+        return message
+
+    def take(self, step: int, timeout_s: float) -> tuple[Produced, float, int]:
+        """The batch of ``step``, the seconds waited for it, and how many batches had arrived (with it)."""
+        t0 = time.monotonic()
+        depth = self.arrived.qsize() + len(self.held)
+        message = self.held.popleft() if self.held else self._next(f"batch of step {step}", timeout_s)
         if not isinstance(message, Produced) or message.step != step:
             sent = f"step {message.step}'s" if isinstance(message, Produced) else type(message).__name__
             raise RuntimeError(f"the trainer expected the batch of step {step}, rollout rank {self.src} sent {sent}")
         return message, time.monotonic() - t0, max(depth, 1)
+
+    def hold_until_marker(self, timeout_s: float) -> list[Produced]:
+        """For a checkpoint: every batch the rollout rank sent before it joined the save (its
+        :class:`SaveMarker`), held here to be trained on next; returns all held batches."""
+        while not isinstance(message := self._next("checkpoint marker", timeout_s), SaveMarker):
+            if not isinstance(message, Produced):
+                raise RuntimeError(f"the trainer expected batches and a checkpoint marker, rollout rank {self.src} sent {message}")
+            self.held.append(message)
+        return list(self.held)

@@ -22,6 +22,16 @@ the trainer (default ``max_staleness + 1``). ``max_staleness: 0`` is the synchro
 ``max(0, s - max_staleness)`` generated, whatever the timing: a run is reproducible. Without it, which
 version a batch used depends on timing (``on_stale: wait`` uses the newest one allowed), and so do the
 numbers; ``on_stale: drop`` is never deterministic.
+
+**Checkpoints** (with :class:`~yatt_lightning.callbacks.AsyncCheckpoint`). After each RL step ``s`` the
+trainers decide (:meth:`decide`: the schedule, the timer, a signal on any rank) whether every rank saves and
+whether the run stops, and tell the rollout ranks. A rollout rank follows the decision of step ``s`` at its
+own safe point after producing step ``s + queue_size - 1`` (it cannot produce further before the trainers'
+step ``s`` anyway): it marks the end of what it sent and joins the save. The checkpoint then holds the
+trainers after step ``s``, the batches they have not trained on yet (steps ``s + 1 .. s + queue_size - 1``,
+held in the trainers' state), and the rollout rank after producing them (its data position and RNG). On
+resume the trainers publish their version first, and the rollout rank goes on from there. With ``fixed_lag``
+a resumed run is bitwise the run that was never interrupted.
 """
 
 from __future__ import annotations
@@ -32,8 +42,24 @@ import time
 import torch
 
 from yatt_lightning.placement.base import Placement, memory, rank
-from yatt_lightning.placement.batch_channel import BatchInbox, BatchSender, EndOfRun, Produced, ProducerFailure
-from yatt_lightning.placement.weight_channel import ACK, FAILURE, WEIGHTS, WeightPublisher, WeightReceiver
+from yatt_lightning.placement.batch_channel import (
+    BatchInbox,
+    BatchSender,
+    EndOfRun,
+    Produced,
+    ProducerFailure,
+    SaveMarker,
+    StopRequest,
+)
+from yatt_lightning.placement.weight_channel import (
+    ACK,
+    DECISION,
+    FAILURE,
+    WEIGHTS,
+    SaveDecision,
+    WeightPublisher,
+    WeightReceiver,
+)
 from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
 
 ON_STALE = ("wait", "drop")
@@ -72,10 +98,11 @@ class Disaggregated(Placement):
             raise ValueError(f"`trainer.strategy.placement.max_staleness` must be >= 0, got {max_staleness}.")
         if on_stale not in ON_STALE:
             raise ValueError(f"`trainer.strategy.placement.on_stale` must be one of {ON_STALE}, got {on_stale!r}.")
-        if fixed_lag and (on_stale != "wait" or publish_every != 1):
+        if fixed_lag and (on_stale != "wait" or publish_every != 1 or queue_size not in (None, max_staleness + 1)):
             raise ValueError(
-                "`trainer.strategy.placement.fixed_lag` needs `on_stale: wait` and `publish_every: 1` (step s trains on "
-                "exactly version s - max_staleness, which a dropped batch or a skipped publish would not give)."
+                "`trainer.strategy.placement.fixed_lag` needs `on_stale: wait`, `publish_every: 1` and the default "
+                "`queue_size` (step s trains on exactly version s - max_staleness, which a dropped batch, a skipped "
+                "publish or a shorter queue would not give)."
             )
         if not 1 <= publish_every <= max_staleness + 1:
             raise ValueError(
@@ -95,7 +122,13 @@ class Disaggregated(Placement):
         self.steps = 0  # RL steps this rank has produced or consumed
         self.updates = 0  # trainer: versions published so far (the policy's version)
         self.dropped = 0  # trainer: batches dropped as too stale, over the run
-        self.engine_version = 0  # rollout rank: the version its engine holds
+        self.engine_version: int | None = 0  # rollout rank: the version its engine holds (None: resumed, not yet)
+        self.resume_version = 0  # rollout rank, resumed: the trainers' version it resumes from
+        self.must_republish = False  # trainer, resumed: publish the loaded version before anything else
+        self.restored: list[Produced] = []  # trainer, resumed: the batches the checkpoint held
+        self.saving_for: SaveDecision | None = None  # rollout rank: the decision whose save it is in
+        self.trainers_done = False  # rollout rank: it followed the trainers' last decision
+        self.idle_at_safe_point = 0.0  # rollout rank: seconds waited for decisions, counted in the next step's idle
 
     # ------------------------------------------------------------------ layout
     def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
@@ -174,7 +207,7 @@ class Disaggregated(Placement):
             self.sender, self.receiver = BatchSender(self.batches, self.timeout_s), WeightReceiver(self.weights, 0)
         else:
             join_engine_groups()
-            self.inbox = BatchInbox(self.batches, self.source(me))
+            self.inbox = BatchInbox(self.batches, self.source(me), held=self.restored)
             self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes) if me == 0 else None
 
     def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
@@ -187,8 +220,13 @@ class Disaggregated(Placement):
         the seconds waited for it (or for room in the queue) and the seconds applying it took."""
         bound = max(0, step - self.max_staleness)
         room = self.queue_size  # batches the producer may be ahead of the trainer
-        waited = self.receiver.wait(lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption",
-                                    self.timeout_s)  # fmt: skip
+        waited = self.idle_at_safe_point + self.receiver.wait(
+            lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption", self.timeout_s
+        )
+        self.idle_at_safe_point = 0.0
+        if self.engine_version is None:  # resumed: the engine holds the base model until the trainers' version
+            waited += self.receiver.wait(lambda s: s.latest >= self.resume_version, f"version {self.resume_version}",
+                                         self.timeout_s)  # fmt: skip
         if self.on_stale == "wait":
             if self.fixed_lag:
                 ready, what = (lambda s: bound == 0 or bound in s.versions), f"version {bound}"
@@ -196,7 +234,7 @@ class Disaggregated(Placement):
                 ready, what = (lambda s: s.latest >= bound), f"a version >= {bound}"
             waited += self.receiver.wait(ready, what, self.timeout_s)
         state = self.receiver.state
-        target = bound if self.fixed_lag else max([self.engine_version, *state.versions])
+        target = bound if self.fixed_lag else max(v for v in (self.engine_version, *state.versions) if v is not None)
         seconds = 0.0
         if target != self.engine_version and target in state.versions:
             t0 = time.perf_counter()
@@ -230,6 +268,15 @@ class Disaggregated(Placement):
     def too_stale(self, produced: Produced) -> bool:
         return self.on_stale == "drop" and self.updates - produced.version > self.max_staleness
 
+    def republish(self, export) -> None:
+        """Resumed trainer, before its first step: the version it loaded, which the rollout ranks' engines
+        (started from the base model) need."""
+        if self.must_republish:
+            named = list(export()) if rank() < self.model_parallel else None
+            if self.publisher is not None:
+                self.publisher.publish(WEIGHTS, self.updates, self.steps - 1, named)
+            self.must_republish = False
+
     def publish(self, step: int, updated: bool, export) -> float:
         """After the trainer's step ``step``: the new version (``export()``: its Hugging Face tensors; collective
         over the model-parallel group), or an acknowledgement when the step updated nothing or it is not time
@@ -259,24 +306,80 @@ class Disaggregated(Placement):
                 self.publisher.publish(FAILURE, self.updates, -1, cause=describe(error))
 
     def finish(self, last_step: int) -> None:
-        """The end of the run (after ``last_step``): what either side sent has been received."""
+        """The end of the run (after this rank's ``last_step``; a stop on a signal ends it early): what either
+        side sent has been received."""
         if rank() in self.rollout:
             for trainer in self._trainers_served():
                 self.sender.send(EndOfRun(), trainer)
             self.sender.flush()
-            self.receiver.wait(lambda s: s.consumed >= last_step, f"the end of step {last_step}", self.timeout_s)
+            self.receiver.wait(lambda s: self.trainers_done or s.consumed >= last_step or any(d.final for d in s.decisions),
+                               f"the end of step {last_step}", self.timeout_s)  # fmt: skip
         elif self.publisher is not None:
             self.publisher.flush(self.timeout_s)
+
+    # ------------------------------------------------------------------ save points (AsyncCheckpoint's)
+    def decide(self, save: bool, signal: int | None, global_step: int, final: bool = False) -> SaveDecision:
+        """Trainers, at the safe point after their step: agree (over the trainers) on saving and stopping,
+        counting a signal a rollout rank reported, and tell the rollout ranks."""
+        asked = 0 if final else (self.inbox.stop_requested or 0)  # the run ends here anyway
+        flags = torch.tensor([int(save), signal or 0, asked], dtype=torch.int64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.controller.group)
+        stop = int(max(flags[1], flags[2])) or None
+        decision = SaveDecision(self.steps - 1, global_step, bool(flags[0]) or stop is not None, stop, self.updates, final)
+        if self.publisher is not None:
+            self.publisher.publish(DECISION, self.updates, self.steps - 1, decision=decision)
+        return decision
+
+    def decisions(self, final: bool = False) -> list[SaveDecision]:
+        """Rollout rank, at its safe point: the trainers' decisions it follows now, oldest first: those of the
+        trainers' steps up to ``queue_size - 1`` behind its own (``final``, at its end: the next ones, until
+        ``trainers_done``)."""
+        until = self.steps - self.queue_size  # the trainers' step whose decision this safe point follows
+        if final:
+            ready, what = (lambda s: bool(s.decisions)), "the trainers' next decision"
+        elif until < 0:
+            return []
+        else:
+            ready, what = (lambda s: any(d.step >= until for d in s.decisions)), f"the trainers' decision of step {until}"
+        self.idle_at_safe_point += self.receiver.wait(ready, what, self.timeout_s)
+        state = self.receiver.state
+        taken = [d for d in state.decisions if final or d.step <= until]
+        state.decisions = state.decisions[len(taken):]
+        self.trainers_done = self.trainers_done or any(d.final for d in taken)
+        return taken
+
+    def request_stop(self, signal: int) -> None:
+        """Rollout rank that received ``signal``: the trainers stop and save at their next safe point."""
+        for trainer in self._trainers_served():
+            self.sender.send(StopRequest(signal), trainer)
+
+    def join_save(self, decision: SaveDecision) -> None:
+        """Rollout rank, before saving for ``decision``: what it sent so far belongs in the trainers' checkpoint."""
+        self.saving_for = decision
+        for trainer in self._trainers_served():
+            self.sender.send(SaveMarker(self.steps - 1), trainer)
 
     def parts(self) -> int:
         """Into how many trainers' batches a rollout rank's batch is split."""
         return len(self.serves(rank())) if rank() in self.rollout else 1
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "updates": self.updates, "dropped": self.dropped}
+        """This rank's part of a checkpoint: a trainer's holds the batches it has not trained on yet."""
+        state = {"steps": self.steps, "updates": self.updates, "dropped": self.dropped}
+        if rank() in self.rollout:
+            state["resume_version"] = self.saving_for.updates if self.saving_for is not None else self.engine_version
+        else:
+            state["held"] = self.inbox.hold_until_marker(self.timeout_s)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.updates, self.dropped = state["steps"], state["updates"], state["dropped"]
+        if "resume_version" in state:
+            self.engine_version, self.resume_version = None, state["resume_version"]
+        else:
+            self.restored, self.must_republish = list(state["held"]), True
+            if getattr(self, "inbox", None) is not None:
+                self.inbox.held.extend(self.restored)
 
 
 def _split(batch, parts: int) -> list:

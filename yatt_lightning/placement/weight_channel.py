@@ -6,7 +6,8 @@ trainer's consumed step, the size of what follows), so a rollout rank can post t
 poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index and
 the tensors packed into buckets of at most ``bucket_bytes`` (one broadcast each); an ``ACK`` carries
 nothing (a step whose batch was dropped: no new version, but the producer learns the trainer moved on);
-a ``FAILURE`` carries the trainer's cause. The trainer's broadcasts are asynchronous (gloo runs them on
+a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the trainers' :class:`SaveDecision` of a
+step (checkpoint and stop, or go on), which the rollout ranks follow at their own safe point. The trainer's broadcasts are asynchronous (gloo runs them on
 its own threads), so training goes on while the bytes move.
 
 Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
@@ -26,7 +27,7 @@ import torch
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
 
-WEIGHTS, ACK, FAILURE = 1, 0, 3
+WEIGHTS, ACK, DECISION, FAILURE = 1, 0, 2, 3
 ALIGN = 16  # bytes
 
 
@@ -38,6 +39,24 @@ class _Entry:
     bucket: int
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    """What the trainers decided at the safe point after their RL step ``step``: whether every rank saves
+    (the checkpoint is named by the trainers' ``global_step``) and whether the run stops (on ``signal``).
+    ``updates`` is the trainers' policy version then; ``final``: the trainers' last decision of the run."""
+
+    step: int
+    global_step: int
+    save: bool
+    signal: int | None = None
+    updates: int = 0
+    final: bool = False
+
+    @property
+    def stop(self) -> bool:
+        return self.signal is not None
 
 
 def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
@@ -74,13 +93,17 @@ class WeightPublisher:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.pending: list = []  # (work, tensor): kept alive until sent
 
-    def publish(self, kind: int, version: int, consumed: int, named=None, cause: str = "") -> float:
+    def publish(
+        self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
+    ) -> float:
         """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
         t0 = time.perf_counter()
         self._reap()
         if kind == WEIGHTS:
             entries, buckets = pack(list(named), self.bucket_bytes)
             body = pickle.dumps(entries)
+        elif kind == DECISION:
+            buckets, body = [], pickle.dumps(decision)
         else:
             buckets, body = [], cause.encode()
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
@@ -113,6 +136,7 @@ class Received:
     versions: dict[int, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)  # version -> tensors
     consumed: int = -1  # the last step the trainer has consumed
     latest: int = 0  # the newest version announced
+    decisions: list[SaveDecision] = field(default_factory=list)  # not yet followed, oldest first
 
 
 class WeightReceiver:
@@ -140,6 +164,8 @@ class WeightReceiver:
                 if kind == FAILURE:
                     raise RankFailure(self.src, payload.numpy().tobytes().decode(), agreed=False,
                                       how="the trainer publishing the weights failed")  # fmt: skip
+                if kind == DECISION:
+                    self.state.decisions.append(pickle.loads(payload.numpy().tobytes()))
                 if kind == WEIGHTS:
                     entries: list[_Entry] = pickle.loads(payload.numpy().tobytes())
                     sizes: dict[int, int] = {}

@@ -81,8 +81,6 @@ class AsyncSteps:
             raise
         self.count_steps(len(rollouts) // max(1, placement.parts()))
         placement.steps += 1
-        if self.trainer.global_step >= self.trainer.max_steps:
-            placement.finish(step)
 
     def consume_step(self, batch: list[dict]) -> dict:
         """Trainer: train on this step's batch (or drop it, when too stale), then publish the new version."""
@@ -90,6 +88,7 @@ class AsyncSteps:
         placement = strategy.placement
         step = placement.steps
         try:
+            placement.republish(self.policy.export_hf)  # resumed: the rollout ranks need the loaded version
             produced, figures = placement.take(step)
             rollouts = produced.batch
             times = {k: produced.times[k] for k in ("rollout", "sync", "reward")}
@@ -105,12 +104,16 @@ class AsyncSteps:
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
                 out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
             placement.steps += 1
-            if self.trainer.global_step >= self.trainer.max_steps:
-                placement.finish(step)
             return out
         except Exception as err:  # the rollout ranks wait for weights: tell them, then fail here
             placement.tell_failure(err)
             raise
+
+    def on_train_end(self) -> None:
+        """After the callbacks' (a checkpoint's last save): what either side sent has been received."""
+        strategy = self.trainer.strategy
+        if strategy.role != "colocated":
+            strategy.placement.finish(strategy.placement.steps - 1)
 
     def figures_only(self, rollouts, reward_metrics: dict, times: dict, rank: dict, figures: dict) -> dict:
         """The step's figures when it trained nothing (a dropped batch)."""
