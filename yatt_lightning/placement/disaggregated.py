@@ -91,7 +91,7 @@ class Disaggregated(Placement):
         fixed_lag: bool = False,
         publish_every: int = 1,
         queue_size: int | None = None,
-        bucket_mb: float = 64.0,
+        bucket_mb: float = 16.0,
         timeout_s: float = 600.0,
     ) -> None:
         if max_staleness < 0:

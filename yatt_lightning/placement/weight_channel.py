@@ -59,25 +59,48 @@ class SaveDecision:
         return self.signal is not None
 
 
-def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
-    """The tensors as flat byte buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket of its own)
-    and the index that unpacks them. The buckets are copies: the trainer may step while they are sent."""
-    entries, buckets, current, size = [], [], [], 0
+def layout(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, solo_bytes: int | None = None
+) -> tuple[list[_Entry], list[int]]:
+    """Where each tensor goes in flat byte buckets of at most ``bucket_bytes``, each tensor aligned so its bytes
+    can be viewed as its dtype again; and each bucket's size. A tensor of ``solo_bytes`` or more (default: a
+    bucket) gets a bucket of its own. Reads only shapes: the index is sent before any bucket is filled."""
+    solo = bucket_bytes if solo_bytes is None else solo_bytes
+    entries, sizes, size = [], [], 0
     for name, tensor in named:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        pad = -size % ALIGN  # each tensor starts aligned, so its bytes can be viewed as its dtype again
-        if current and size + pad + flat.numel() > bucket_bytes:
-            buckets.append(torch.cat(current))
-            current, size, pad = [], 0, 0
-        if pad:
-            current.append(torch.zeros(pad, dtype=torch.uint8))
-            size += pad
-        entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(buckets), size, flat.numel()))
-        current.append(flat)
-        size += flat.numel()
-    if current:
-        buckets.append(torch.cat(current))
-    return entries, buckets
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = size + (-size % ALIGN)
+        if size and (offset + nbytes > bucket_bytes or nbytes >= solo):
+            sizes.append(size)
+            offset = 0
+        entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(sizes), offset, nbytes))
+        size = offset + nbytes
+        if nbytes >= solo:
+            sizes.append(size)
+            size = 0
+    if size:
+        sizes.append(size)
+    return entries, sizes
+
+
+def fill(
+    named: list[tuple[str, torch.Tensor]], entries: list[_Entry], bucket: int, size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bucket ``bucket``: a copy of its tensors (one copy each, strided or not), so the trainer may step on
+    while it is sent; into ``out`` (``size`` bytes) when given."""
+    out = torch.empty(size, dtype=torch.uint8) if out is None else out
+    for (_, tensor), e in zip(named, entries, strict=True):
+        if e.bucket == bucket:
+            out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensor.detach())
+    return out
+
+
+def pack(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, solo_bytes: int | None = None
+) -> tuple[list[_Entry], list[torch.Tensor]]:
+    """The tensors as flat byte buckets (:func:`layout`, :func:`fill`) and the index that unpacks them."""
+    entries, sizes = layout(named, bucket_bytes, solo_bytes)
+    return entries, [fill(named, entries, b, size) for b, size in enumerate(sizes)]
 
 
 def unpack(entries: list[_Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -92,6 +115,7 @@ class WeightPublisher:
     def __init__(self, group, src: int, bucket_bytes: int) -> None:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.pending: list = []  # (work, tensor): kept alive until sent
+        self.pool = _Pool()  # buckets already sent, refilled by the next version (its layout is the same)
 
     def publish(
         self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
@@ -99,34 +123,43 @@ class WeightPublisher:
         """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
         t0 = time.perf_counter()
         self._reap()
+        sizes: list[int] = []
         if kind == WEIGHTS:
-            entries, buckets = pack(list(named), self.bucket_bytes)
+            named = list(named)
+            entries, sizes = layout(named, self.bucket_bytes)
             body = pickle.dumps(entries)
         elif kind == DECISION:
-            buckets, body = [], pickle.dumps(decision)
+            body = pickle.dumps(decision)
         else:
-            buckets, body = [], cause.encode()
+            body = cause.encode()
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
         header = torch.tensor([kind, version, consumed, payload.numel()], dtype=torch.int64)
         with wire.category("weights"):
-            for tensor in (header, payload, *buckets):
-                if tensor.numel():
-                    work = torch.distributed.broadcast(tensor, src=self.src, group=self.group, async_op=True)
-                    self.pending.append((work, tensor))
+            self._send(header)
+            self._send(payload)
+            for bucket, size in enumerate(sizes):  # bucket k is on the wire (gloo's thread) while k + 1 fills
+                self._send(fill(named, entries, bucket, size, self.pool.get(size)))
         return time.perf_counter() - t0
 
+    def _send(self, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            work = torch.distributed.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            self.pending.append((work, tensor))
+
     def _reap(self) -> None:
+        done = [t for w, t in self.pending if w.is_completed()]
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        self.pool.put(done)
 
     def flush(self, timeout_s: float) -> None:
         """Wait until every message was received (the end of the run; a rank that left fails this)."""
         deadline = time.monotonic() + timeout_s
-        for work, _ in self.pending:
+        for work, *_ in self.pending:
             while not work.is_completed():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
-                time.sleep(0.005)
-        self.pending = []
+                time.sleep(0.001)
+        self._reap()
 
 
 @dataclass
@@ -145,6 +178,9 @@ class WeightReceiver:
     def __init__(self, group, src: int) -> None:
         self.group, self.src = group, src
         self.state = Received()
+        self.pool = _Pool()  # buckets of versions the engine has copied in
+        self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
+        self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
         self._post()
 
     def _post(self) -> None:
@@ -171,10 +207,12 @@ class WeightReceiver:
                     sizes: dict[int, int] = {}
                     for e in entries:
                         sizes[e.bucket] = max(sizes.get(e.bucket, 0), e.offset + e.nbytes)
-                    buckets = [torch.empty(sizes[b], dtype=torch.uint8) for b in sorted(sizes)]
-                    for bucket in buckets:
-                        torch.distributed.broadcast(bucket, src=self.src, group=self.group)
+                    buckets = [self.pool.get(sizes[b]) for b in sorted(sizes)]
+                    works = [torch.distributed.broadcast(b, src=self.src, group=self.group, async_op=True) for b in buckets]
+                    for work in works:  # all posted at once: the buckets stream without a round trip each
+                        work.wait()
                     self.state.versions[version] = unpack(entries, buckets)
+                    self.buckets[version] = buckets
                     self.state.latest = max(self.state.latest, version)
             self.state.consumed = max(self.state.consumed, consumed)
             got = True
@@ -188,12 +226,34 @@ class WeightReceiver:
         while not ready(self.state):
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"rollout rank waited {timeout_s:.0f} s for {what} from trainer rank {self.src}")
-            time.sleep(0.002)
+            time.sleep(0.0005)
             self.poll()
         return time.monotonic() - t0
 
     def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
-        """Version ``version``'s tensors; older versions are forgotten."""
+        """Version ``version``'s tensors; older versions are forgotten. The engine copies them in (vLLM's weight
+        loaders do) before the next ``take``, which then reuses their buckets for a later version."""
         named = self.state.versions[version]
         self.state.versions = {v: t for v, t in self.state.versions.items() if v > version}
+        self.pool.put(self.spent)  # the version taken before: the engine has copied it in
+        self.spent = self.buckets.pop(version, [])
+        for old in [v for v in self.buckets if v < version]:  # never taken
+            self.pool.put(self.buckets.pop(old))
         return named
+
+
+class _Pool:
+    """Byte buffers by size, reused: a version's buckets have the sizes of the last one, and fresh pages
+    cost a fault each on first touch (about as much as the copy into them on this machine)."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[torch.Tensor]] = {}
+
+    def get(self, size: int) -> torch.Tensor:
+        spare = self.free.get(size)
+        return spare.pop() if spare else torch.empty(size, dtype=torch.uint8)
+
+    def put(self, buffers: list[torch.Tensor]) -> None:
+        for b in buffers:
+            if b.dim() == 1 and b.dtype == torch.uint8 and b.numel() > 1 << 16:  # buckets, not headers
+                self.free.setdefault(b.numel(), []).append(b)
