@@ -40,6 +40,8 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from yatt_lightning.checkpoint import folder as ckpt
+from yatt_lightning.checkpoint.lock import FolderLock, FolderLocked
+from yatt_lightning.distributed import failures
 from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.models.cpu import megatron_cpu_context
 
@@ -92,6 +94,7 @@ class AsyncCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         self._signal_received: int | None = None
         self._stop_requested = False  # a disaggregated rollout rank told the trainers of its signal
+        self._lock: FolderLock | None = None  # rank 0: this run's hold on dirpath
         self.stopped_by: int | None = None  # the signal that stopped training (its exit code is 128 + it)
         self._start_step = 0
         self._old_handlers: dict = {}
@@ -104,8 +107,20 @@ class AsyncCheckpoint(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = default_dirpath(trainer)
+        error = None
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
+            if stage == "fit" and self._lock is None:  # one run per folder, for the run's whole life
+                lock = FolderLock(self.dirpath)
+                try:
+                    lock.acquire()
+                    self._lock = lock
+                except FolderLocked as err:
+                    error = err
+        if trainer.world_size > 1:
+            failures.agree(error)  # before any engine starts: every rank stops with the holder named
+        elif error is not None:
+            raise error
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
@@ -212,6 +227,9 @@ class AsyncCheckpoint(Callback):
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._training = False
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()

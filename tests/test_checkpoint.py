@@ -310,3 +310,59 @@ def test_export_loads_in_transformers_and_vllm_with_the_policy_logits(tmp_path):
         logits = model(probe["ids"]).logits
     torch.testing.assert_close(logits, probe["logits"], atol=2e-5, rtol=1e-5)
     assert run_script("vllm_generate.py", str(tmp_path / "hf"), timeout=300)["tokens"] > 0
+
+
+# ----------------------------------------------------------------------------------------- one run per folder
+_HOLD = """
+import sys, time
+from yatt_lightning.checkpoint.lock import FolderLock
+FolderLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(folder: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_held_folder_is_refused_naming_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path, caplog):
+    from yatt_lightning.checkpoint.lock import FolderLock, FolderLocked
+
+    folder = tmp_path / "ckpts"
+    holder = _holder(folder)
+    try:
+        with pytest.raises(FolderLocked, match=rf"{folder} is in use by another run \(pid {holder.pid} on "):
+            FolderLock(folder).acquire()
+    finally:
+        holder.kill()  # SIGKILL: the holder cannot clean up; the OS drops its lock
+        holder.wait()
+    lock = FolderLock(folder)
+    with caplog.at_level("INFO", logger="yatt_lightning.checkpoint.folder"):
+        lock.acquire()
+    assert f"taking over the lock of a run that ended (pid {holder.pid} on" in caplog.text
+    lock.release()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="yatt_lightning.checkpoint.folder"):
+        FolderLock(folder).acquire()  # released cleanly: no takeover to report
+    assert "taking over" not in caplog.text
+
+
+@pytest.mark.distributed
+def test_a_second_run_on_a_held_checkpoint_folder_stops_every_rank_before_any_engine(tmp_path):
+    folder = tmp_path / "ckpts"
+    holder = _holder(folder)
+    try:
+        saver = json.dumps([{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint", "init_args": {"dirpath": str(folder)}}])
+        proc = yatt(["fit", "--config", str(Path(__file__).resolve().parents[1] / "configs" / "grpo_tiny.yaml"),
+                     "--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.callbacks", saver],
+                    cwd=tmp_path, timeout=300, check=False)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert f"{folder} is in use by another run (pid {holder.pid} on" in text
+    assert "engine ready" not in text and "engines started" not in text
