@@ -57,6 +57,12 @@ class PromptDataset(Dataset):
         return self.rows[index]
 
 
+ARRAY_HINT = (
+    " A JSON-lines file holds one JSON object per line, and this looks like a JSON array; write one object per "
+    "line (for example `jq -c '.[]' rows.json > rows.jsonl`)."
+)
+
+
 def jsonl_objects(path: Path) -> Iterator[tuple[int, int, dict]]:
     """``(line number, byte offset, object)`` per non-empty line of a JSON-lines file; a line that is not
     UTF-8, not JSON or not an object is an error naming the file and line number."""
@@ -66,20 +72,21 @@ def jsonl_objects(path: Path) -> Iterator[tuple[int, int, dict]]:
         offset = 0
         for lineno, raw in enumerate(f, start=1):
             where, start, offset = f"{path}:{lineno}", offset, offset + len(raw)
-            try:
-                line = raw.decode("utf-8")
+            try:  # the first line may start with a byte-order mark, as editors save UTF-8
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(
                     f"{where}: not UTF-8 (byte {err.start + 1} of the line); re-encode the file."
                 ) from None
             if not line.strip():
                 continue
+            array = ARRAY_HINT if line.lstrip().startswith("[") else ""
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
+                raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).{array}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}.")
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}.{array}")
             yield lineno, start, row
 
 

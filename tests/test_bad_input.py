@@ -48,6 +48,10 @@ CONFIG_CASES = {
     "empty file": Case(["--data.path", "p.jsonl"], r"`data.path`: \S*p\.jsonl holds no rows", {"p.jsonl": ""}),
     "not utf-8": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1", {"p.jsonl": b'{"prompt": "\xff\xfe"}\n'}),
     "missing data file": Case(["--data.path", "nope.jsonl"], r"`data.path`: nope\.jsonl does not exist"),
+    "a JSON array, not JSON lines": Case(["--data.path", "p.json"], r"p\.json:1: .*one JSON object per line",
+                                         {"p.json": '[{"prompt": "a"}]\n'}),
+    "read-only root dir": Case(["--trainer.default_root_dir", "/proc/1/runs"],
+                               r"`trainer.default_root_dir`: /proc/1/runs cannot be written \(/proc/1 is read-only"),
     "fewer rows than a step": Case(["--data.path", "p.jsonl", "--data.batch_size", "4"],
                                    r"has 2 rows, fewer than one step needs .*`data.batch_size`=4",
                                    {"p.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n'}),
@@ -150,6 +154,18 @@ def test_bad_checkpoint_arguments(tmp_path):
     _assert_screen(code, out, 2, r"`--ckpt_dir`: nope does not exist")
     code, out = yatt_in_process(["export", "--ckpt_dir", str(ckpts), "--out", "x"], cwd=tmp_path)
     _assert_screen(code, out, 2, r"cannot export \S+step-00000003: .*truncated.*the newest intact checkpoint is \S+step-00000002")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_accelerator_without_a_gpu_names_the_key_and_the_fix(tmp_path):
+    code, out = _run_case(Case(["--trainer.accelerator", "gpu"], ""), tmp_path)
+    _assert_screen(code, out, 2, r"`trainer.accelerator`: this machine has no usable GPU .*`--trainer.accelerator cpu`")
+
+
+def test_a_mistyped_subcommand_gets_the_nearest_one_and_the_list(tmp_path):
+    code, out = yatt_in_process(["fti", "--config", "x.yaml"], cwd=tmp_path)
+    _assert_screen(code, out, 2, r"unknown subcommand 'fti'; did you mean `yatt fit`\? The subcommands: fit, validate, test, "
+                                 r"predict, export\.")  # fmt: skip
 
 
 REWARDS = {

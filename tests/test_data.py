@@ -55,6 +55,16 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, line, match):
         read_jsonl(path)
 
 
+def test_a_byte_order_mark_is_read_and_a_json_array_is_named_as_one(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes("\ufeff".encode() + b'{"prompt": "a"}\n{"prompt": "b"}\n')  # as editors save UTF-8
+    assert [r["prompt"] for r in read_jsonl(path)] == ["a", "b"]
+    for text in ('[{"prompt": "a"}, {"prompt": "b"}]\n', '[\n  {"prompt": "a"}\n]\n'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"{path}:1: .*one JSON object per line.*jq -c"):
+            read_jsonl(path)
+
+
 def test_missing_data_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="`data.path`: .*nope.jsonl does not exist"):
         PromptDataModule(path=str(tmp_path / "nope.jsonl"))

@@ -180,6 +180,9 @@ def _check_config_files(argv: list[str]) -> None:
             raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the file.") from None
 
 
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "export")
+
+
 def main(args: list[str] | None = None) -> None:
     """``yatt fit|validate|export ...``; ``--verbose`` (fit): every library's output on the terminal;
     ``--debug``: full tracebacks instead of one screen per error."""
@@ -194,6 +197,14 @@ def main(args: list[str] | None = None) -> None:
         argv = [a for a in argv if a != "--debug"]
         os.environ[errors.DEBUG_ENV] = "1"
     configure_logging()
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1, cutoff=0.5)
+        hint = f"; did you mean `yatt {close[0]}`?" if close else ""
+        print(f"yatt: error: unknown subcommand {argv[0]!r}{hint} The subcommands: {', '.join(SUBCOMMANDS)}.",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(2)
     try:
         if argv[:1] == ["export"]:
             from yatt_lightning.checkpoint.export import main as export_main

@@ -79,6 +79,11 @@ def config_message(err: BaseException) -> str:
     unknown = _UNKNOWN.search(text)
     if unknown:
         return unknown_key_message(str(errors[0]), unknown.group("key"))
+    if re.search(r"No supported gpu backend found|CUDAAccelerator can not run on your system", text):
+        return (
+            "`trainer.accelerator`: this machine has no usable GPU (torch sees no CUDA device); run on CPU with "
+            "`--trainer.accelerator cpu`, or on a machine with a GPU."
+        )
     ours = [e for e in errors if raised_by_us(e)]
     if ours:
         return str(ours[0])

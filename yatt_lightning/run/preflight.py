@@ -33,10 +33,29 @@ def check_run(model, datamodule, trainer) -> None:
             f"({model.sampling.max_new_tokens}) = {longest} exceeds the model's {arch.max_position_embeddings} "
             f"positions (max_position_embeddings in {path / 'config.json'}); lower one of them."
         )
+    check_writable(trainer)
     if trainer.max_steps == 0:
         raise ValueError("`trainer.max_steps` is 0: the run would train nothing; set it to the number of RL steps.")
     if datamodule is not None and hasattr(datamodule, "load_rows"):
         check_data(model, datamodule, trainer, path, tokenizer)
+
+
+def check_writable(trainer) -> None:
+    """Where the run writes (``default_root_dir``, each checkpoint folder) can be written, before any engine."""
+    import os
+
+    targets = [("trainer.default_root_dir", trainer.default_root_dir)]
+    targets += [("trainer.callbacks: AsyncCheckpoint.dirpath", cb.dirpath) for cb in trainer.callbacks
+                if type(cb).__name__ == "AsyncCheckpoint" and cb.dirpath is not None]  # fmt: skip
+    for key, folder in targets:
+        probe = Path(folder).absolute()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not (probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)):
+            raise ValueError(
+                f"`{key}`: {folder} cannot be written ({probe} is {'not a folder' if not probe.is_dir() else 'read-only'} "
+                "for this process); give a folder this run can write."
+            )
 
 
 def check_layout(arch: HFArch, strategy, trainer) -> None:
