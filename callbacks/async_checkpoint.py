@@ -207,10 +207,7 @@ class AsyncCheckpoint(Callback):
                 self._stop_requested = True
             return placement.decisions(final)
         step = trainer.global_step
-        minutes = (time.monotonic() - self._last_save_time) / 60
-        due = bool(self.every_n_steps and step % self.every_n_steps == 0) or bool(
-            trainer.is_global_zero and self.every_minutes and minutes >= self.every_minutes
-        )
+        due = bool(self.every_n_steps and step % self.every_n_steps == 0) or self._timer_due(trainer)
         if final:
             due, signum = self.save_at_end, None  # the run ends here anyway
         return [placement.decide(due and step != self._scheduled_step, signum, step, final)]
@@ -332,16 +329,20 @@ class AsyncCheckpoint(Callback):
 
     def _agree(self, trainer) -> tuple[bool, bool]:
         """Every rank learns whether any rank got a preemption signal and whether the timer is due on rank 0."""
-        minutes = (time.monotonic() - self._last_save_time) / 60
         local = torch.tensor(
             [
                 1.0 if (self.save_on_signal and self._signal_received is not None) else 0.0,
-                1.0 if (trainer.is_global_zero and self.every_minutes and minutes >= self.every_minutes) else 0.0,
+                1.0 if self._timer_due(trainer) else 0.0,
             ]
         )
         if trainer.world_size > 1:
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
         return bool(local[0]), bool(local[1])
+
+    def _timer_due(self, trainer) -> bool:
+        """Rank 0's clock: ``every_minutes`` have passed since the last save (the other ranks learn it)."""
+        minutes = (time.monotonic() - self._last_save_time) / 60
+        return bool(trainer.is_global_zero and self.every_minutes and minutes >= self.every_minutes)
 
     # ------------------------------------------------------------------ resume
     @override

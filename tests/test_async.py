@@ -51,9 +51,9 @@ def test_weights_travel_in_buckets_and_come_back_bitwise():
     g = torch.Generator().manual_seed(0)
     named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
              ("c", torch.randint(0, 9, (2, 2), generator=g)), ("big", torch.randn(300, generator=g))]  # fmt: skip
-    assert layout(named, bucket_bytes=64, solo_bytes=16)[1] == [60, 14, 32, 1200]  # 16 bytes or more: alone
-    entries, buckets = pack(named, bucket_bytes=64, solo_bytes=1000)
+    entries, buckets = pack(named, bucket_bytes=64)
     assert [b.numel() for b in buckets] == [60, 14 + 2 + 32, 1200]  # a; b and c (16-byte aligned) share one; big its own
+    assert layout(named, bucket_bytes=64) == (entries, [b.numel() for b in buckets])  # the index before any copy
     assert sum(e.nbytes for e in entries) == sum(t.numel() * t.element_size() for _, t in named)
     back = unpack(entries, [b.clone() for b in buckets])
     for (name, t), (name2, t2) in zip(named, back, strict=True):

@@ -312,8 +312,8 @@ class Disaggregated(Placement):
             for trainer in self._trainers_served():
                 self.sender.send(EndOfRun(), trainer)
             self.sender.flush()
-            self.receiver.wait(lambda s: self.trainers_done or s.consumed >= last_step or any(d.final for d in s.decisions),
-                               f"the end of step {last_step}", self.timeout_s)  # fmt: skip
+            self.receiver.wait(lambda s: self.trainers_done or s.consumed >= last_step, f"the end of step {last_step}",
+                               self.timeout_s)  # fmt: skip
         elif self.publisher is not None:
             self.publisher.flush(self.timeout_s)
 

@@ -59,26 +59,20 @@ class SaveDecision:
         return self.signal is not None
 
 
-def layout(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, solo_bytes: int | None = None
-) -> tuple[list[_Entry], list[int]]:
-    """Where each tensor goes in flat byte buckets of at most ``bucket_bytes``, each tensor aligned so its bytes
-    can be viewed as its dtype again; and each bucket's size. A tensor of ``solo_bytes`` or more (default: a
-    bucket) gets a bucket of its own. Reads only shapes: the index is sent before any bucket is filled."""
-    solo = bucket_bytes if solo_bytes is None else solo_bytes
+def layout(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[int]]:
+    """Where each tensor goes in flat byte buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket
+    of its own), each tensor aligned so its bytes can be viewed as its dtype again; and each bucket's size.
+    Reads only shapes: the index is sent before any bucket is filled."""
     entries, sizes, size = [], [], 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
         offset = size + (-size % ALIGN)
-        if size and (offset + nbytes > bucket_bytes or nbytes >= solo):
+        if size and offset + nbytes > bucket_bytes:
             sizes.append(size)
             offset = 0
         entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(sizes), offset, nbytes))
         size = offset + nbytes
-        if nbytes >= solo:
-            sizes.append(size)
-            size = 0
-    if size:
+    if entries:
         sizes.append(size)
     return entries, sizes
 
@@ -95,11 +89,9 @@ def fill(
     return out
 
 
-def pack(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, solo_bytes: int | None = None
-) -> tuple[list[_Entry], list[torch.Tensor]]:
+def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
     """The tensors as flat byte buckets (:func:`layout`, :func:`fill`) and the index that unpacks them."""
-    entries, sizes = layout(named, bucket_bytes, solo_bytes)
+    entries, sizes = layout(named, bucket_bytes)
     return entries, [fill(named, entries, b, size) for b, size in enumerate(sizes)]
 
 
@@ -154,7 +146,7 @@ class WeightPublisher:
     def flush(self, timeout_s: float) -> None:
         """Wait until every message was received (the end of the run; a rank that left fails this)."""
         deadline = time.monotonic() + timeout_s
-        for work, *_ in self.pending:
+        for work, _ in self.pending:
             while not work.is_completed():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
