@@ -12,7 +12,10 @@ Saves happen at the safe point of a step (after the optimizer step, before the n
 every ``every_n_steps`` steps and/or ``every_minutes`` minutes, when SIGINT (Ctrl-C), SIGTERM or SIGUSR1
 arrives on any rank (the step in flight finishes, the state is saved, training stops with a log line and
 exit code 128 + the signal's number: 130 for Ctrl-C), and at the end of training. A second Ctrl-C stops
-at once: the newest complete checkpoint stays ``latest`` and a save in flight is never taken for one.
+at once: the newest complete checkpoint stays ``latest`` and a save in flight is never taken for one. A
+step that does not finish within ``interrupt_grace_s`` of a Ctrl-C (stuck in a reward function, say) is
+given up as a second Ctrl-C would: the main thread is interrupted (exit code 130, ``latest`` unchanged),
+and if it cannot unwind (blocked in a collective) the process exits 15 s later.
 The writers are started with those signals blocked, so a Ctrl-C that reaches the whole process group
 (a terminal's) never interrupts a write (a forked writer never sees it; a writer thread leaves it to the
 main thread). On an exception it saves only when the state is consistent (no
@@ -48,6 +51,7 @@ from yatt_lightning.models.cpu import megatron_cpu_context
 log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
 PREEMPTION_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_UNWIND_S = 15  # after a Ctrl-C's grace period, the main thread's time to unwind before the process exits
 
 
 class AsyncCheckpoint(Callback):
@@ -62,6 +66,8 @@ class AsyncCheckpoint(Callback):
     async_save: Write in the background; ``False`` writes synchronously (same format).
     save_on_signal: Save and stop on SIGTERM / SIGUSR1.
     save_at_end: Save when training ends.
+    interrupt_grace_s: After a Ctrl-C, the longest the step in flight may take to reach its end (and be
+        saved); past it the run stops without saving it.
     """
 
     def __init__(
@@ -73,11 +79,14 @@ class AsyncCheckpoint(Callback):
         async_save: bool = True,
         save_on_signal: bool = True,
         save_at_end: bool = True,
+        interrupt_grace_s: float = 60.0,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 0:
             raise ValueError(f"`AsyncCheckpoint.every_n_steps` must be >= 0, got {every_n_steps}.")
         if every_minutes is not None and every_minutes <= 0:
             raise ValueError(f"`AsyncCheckpoint.every_minutes` must be > 0, got {every_minutes}.")
+        if interrupt_grace_s <= 0:
+            raise ValueError(f"`AsyncCheckpoint.interrupt_grace_s` must be > 0, got {interrupt_grace_s}.")
         if keep_last < 1:
             raise ValueError(f"`AsyncCheckpoint.keep_last` must be >= 1, got {keep_last}.")
         self.dirpath = Path(dirpath) if dirpath is not None else None
@@ -87,6 +96,9 @@ class AsyncCheckpoint(Callback):
         self.async_save = async_save
         self.save_on_signal = save_on_signal
         self.save_at_end = save_at_end
+        self.interrupt_grace_s = interrupt_grace_s
+        self._grace: threading.Timer | None = None  # running from a Ctrl-C until the step in flight ends
+        self._grace_over = False
         self._queue = None
         self._pending: list[tuple[int, Path]] = []
         self._last_saved_step: int | None = None  # the newest step whose checkpoint is complete
@@ -146,6 +158,8 @@ class AsyncCheckpoint(Callback):
             self._last_saved_step = self._scheduled_step = trainer.global_step
 
     def _on_signal(self, signum, frame) -> None:
+        if self._grace_over and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the grace period ended (see _give_up): unwind the main thread
         if signum == signal.SIGINT and self._signal_received == signal.SIGINT:
             # A second Ctrl-C: stop now. Nothing is renamed or tracked outside finalisation, so the newest
             # complete checkpoint stays `latest`; a save in flight stays a `.tmp` that is never loaded.
@@ -154,12 +168,38 @@ class AsyncCheckpoint(Callback):
         first = self._signal_received is None
         self._signal_received = signum
         if first and signum == signal.SIGINT:
-            log.warning("Ctrl-C: finishing this step, then saving and stopping (Ctrl-C again stops at once)")
+            log.warning(
+                "Ctrl-C: finishing this step (at most %g s, `interrupt_grace_s`), then saving and stopping "
+                "(Ctrl-C again stops at once)", self.interrupt_grace_s,
+            )  # fmt: skip
+            self._grace = threading.Timer(self.interrupt_grace_s, self._give_up)
+            self._grace.daemon = True
+            self._grace.start()
+
+    def _give_up(self) -> None:
+        """The grace timer's thread: the step did not end in time; stop without saving it."""
+        log.warning(
+            "Ctrl-C: the step did not finish within %g s (`interrupt_grace_s`); stopping without saving it; "
+            "`latest` in %s is unchanged", self.interrupt_grace_s, self.dirpath,
+        )  # fmt: skip
+        self._grace_over = True
+        self.stopped_by = signal.SIGINT
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a blocking system call returns
+        time.sleep(_UNWIND_S)
+        log.warning("the main thread did not unwind within %d s (blocked in a collective?): exiting", _UNWIND_S)
+        logging.shutdown()
+        os._exit(128 + signal.SIGINT)
+
+    def _end_grace(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """The safe point: after the optimizer step, before the next rollout's weight push."""
         t0 = time.perf_counter()
+        self._end_grace()  # the step in flight at a Ctrl-C ended in time
         self._finalize(trainer, blocking=False)
         if trainer.strategy.role != "colocated":
             self._follow(trainer, self._decisions(trainer, final=False))
@@ -224,6 +264,8 @@ class AsyncCheckpoint(Callback):
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._training = False
+        if not self._grace_over:
+            self._end_grace()
         if self._lock is not None:
             self._lock.release()
             self._lock = None

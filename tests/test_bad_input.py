@@ -8,8 +8,14 @@ code 1) start a real run. Every case must end in at most 10 lines that name the 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,3 +203,75 @@ def test_reward_error_at_run_time(name, tmp_path):
     assert not (tmp_path / "runs" / "grpo_tiny" / "checkpoints" / "step-00000000").exists(), (
         "a run that failed before its first step wrote a checkpoint"
     )
+
+
+STUCK_REWARD = """
+import os, time
+def score(prompt, completion, **row):
+    if os.path.exists("stuck"):
+        if not os.path.exists("entered"):
+            open("entered", "w").write(repr(time.time()))
+        time.sleep(600)  # a judge's server that never answers
+    return 0.5
+"""
+
+
+def _stuck_run(tmp_path: Path, *args: str) -> subprocess.Popen:
+    (tmp_path / "rw.py").write_text(STUCK_REWARD)
+    cmd = [sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", TINY, "--model.reward_fn", "rw.score",
+           "--trainer.default_root_dir", str(tmp_path / "runs"), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> float:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.2)
+    time.sleep(0.1)
+    return float(path.read_text() or time.time())
+
+
+@pytest.mark.slow
+def test_a_reward_that_never_returns_stops_the_run_within_its_deadline_naming_the_function_and_the_row(tmp_path):
+    (tmp_path / "stuck").touch()
+    proc = _stuck_run(tmp_path, "--trainer.max_steps", "2", "--model.reward_timeout_s", "3")
+    entered = _wait_for(tmp_path / "entered", proc)
+    out, _ = proc.communicate(timeout=60)
+    late = time.time() - entered
+    assert proc.returncode == 1, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("yatt: error:")]
+    assert len(errors) == 1, out[-4000:]
+    assert re.search(r"reward function rw\.score did not return within 3 s \(`model\.reward_timeout_s`\) on sample "
+                     r"\(AlphabetTask row \d+\) with prompt .after .*raise the deadline, or set `on_error: zero`", errors[0]), errors[0]  # fmt: skip
+    assert late < 3 + 20, f"the run stopped {late:.1f} s after the reward got stuck"
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_stuck_step_stops_once_within_the_grace_period_leaving_latest(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+              "init_args": {"dirpath": str(ckpts), "every_n_steps": 1, "interrupt_grace_s": 3}}]  # fmt: skip
+    proc = _stuck_run(tmp_path, "--trainer.max_steps", "100", "--model.reward_timeout_s", "null",
+                      "--trainer.callbacks", json.dumps(saver))  # fmt: skip
+    from yatt_lightning.checkpoint import folder as ckpt
+
+    deadline = time.monotonic() + 240
+    while not (ckpts.exists() and ckpt.tracked(ckpts) is not None):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    (tmp_path / "stuck").touch()
+    _wait_for(tmp_path / "entered", proc)
+    latest = ckpt.tracked(ckpts)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # once
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, out[-4000:]
+    assert took < 3 + 15, f"stopped {took:.1f} s after Ctrl-C"
+    assert "the step did not finish within 3 s (`interrupt_grace_s`); stopping without saving it" in out
+    assert ckpt.tracked(ckpts) == latest and ckpt.verify(latest) == []
+    assert "Traceback" not in out and out.count("Ctrl-C: finishing this step") == 1, out[-3000:]

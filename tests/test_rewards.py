@@ -1,8 +1,11 @@
 """Tier 1: rule rewards and user reward functions loaded by import path."""
 
+import threading
+import time
+
 import pytest
 
-from yatt_lightning.rewards.base import RewardError, RuleReward, load_callable
+from yatt_lightning.rewards.base import RewardError, RewardFunction, RuleReward, load_callable
 from yatt_lightning.rewards.rules import alphabet_reward
 
 
@@ -45,6 +48,47 @@ def test_reward_returning_nan_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "zero_rewards.py").write_text("def bad(prompt, completion, **row):\n    return 1 / 0\n")
     out = RuleReward("zero_rewards.bad", on_error="zero")(["p", "q"], ["c", "d"], [{}, {}])
     assert out.scores == [0.0, 0.0] and out.metrics == {"reward/zero_rewards.bad/errors": 2.0}
+
+
+def test_a_reward_past_its_deadline_fails_naming_the_function_the_sample_and_the_key(tmp_path, monkeypatch):
+    (tmp_path / "slow_rewards.py").write_text(
+        "import time\n"
+        "def slow(prompt, completion, **row):\n"
+        "    if completion == 'stuck':\n"
+        "        time.sleep(60)\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "p", "_source": "data.jsonl:1"}, {"prompt": "p", "_source": "data.jsonl:2"}]
+    fn = RuleReward("slow_rewards.slow")
+    fn.set_default_timeout(0.3, "model.reward_timeout_s")
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"slow_rewards.slow did not return within 0.3 s \(`model.reward_timeout_s`\) on "
+                                          r"sample \(data.jsonl:2\) .*'stuck'"):  # fmt: skip
+        fn(["p", "p"], ["fine", "stuck"], rows)
+    assert time.monotonic() - t0 < 2.0
+
+    # on_error: zero scores the late sample 0, counts it, and the next call gets a worker of its own
+    fn = RuleReward("slow_rewards.slow", on_error="zero", timeout_s=0.3)
+    fn.set_default_timeout(300, "model.reward_timeout_s")  # its own deadline wins
+    out = fn(["p", "p", "p"], ["stuck", "fine", "stuck"], [{}, {}, {}])
+    assert out.scores == [0.0, 1.0, 0.0]
+    assert out.metrics == {"reward/slow_rewards.slow/errors": 2.0, "reward/slow_rewards.slow/timeouts": 2.0}
+    assert fn(["p"], ["fine"], [{}]).scores == [1.0]
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("reward:"))  # never hold up the exit
+
+
+def test_a_batch_scorer_past_its_deadline_is_a_failure_of_the_batch():
+    class Judge(RewardFunction):
+        def score(self, prompts, completions, rows):
+            time.sleep(60)
+
+    with pytest.raises(RewardError, match=r"Judge did not return within 0.2 s \(`timeout_s`\) on a batch of 2"):
+        Judge(timeout_s=0.2)(["p", "q"], ["c", "d"], [{}, {}])
+    out = Judge(timeout_s=0.2, on_error="zero")(["p", "q"], ["c", "d"], [{}, {}])
+    assert out.scores == [0.0, 0.0] and out.metrics["reward/Judge/timeouts"] == 2.0
+    with pytest.raises(ValueError, match="`timeout_s` of reward function Judge must be > 0"):
+        Judge(timeout_s=0)
 
 
 @pytest.mark.parametrize(

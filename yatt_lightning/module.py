@@ -55,6 +55,9 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
             other fields (e.g. ``answer``) arrive as keyword arguments. Ignored when ``rewards`` is set.
         rewards: Reward functions whose weighted scores are summed (rule functions, reward models,
             generative reward models); ``None`` uses ``reward_fn`` alone.
+        reward_timeout_s: The longest one call into a reward function may take (a rule function's call
+            on one sample; a reward model's or judge's on a batch) where the function sets no ``timeout_s``
+            of its own; past it the call fails as the function's ``on_error`` says. ``None``: no deadline.
         sampling: How completions are sampled (``n`` is the GRPO group size).
         algorithm: The policy loss (``class_path`` selects it; default PPO-clip; GSPO).
         advantage_estimator: Turns rewards into advantages (default GRPO group normalisation; RLOO,
@@ -92,6 +95,7 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         policy: ModelSpec = ModelSpec(),
         reward_fn: str = "yatt_lightning.rewards.rules.alphabet_reward",
         rewards: list[RewardFunction] | None = None,
+        reward_timeout_s: float | None = 300.0,
         sampling: SamplingConfig = SamplingConfig(),
         algorithm: PolicyLoss = lazy_instance(PPOClipLoss),
         advantage_estimator: AdvantageEstimator = lazy_instance(GRPOAdvantage),
@@ -124,6 +128,8 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         ):
             if value < low:
                 raise ValueError(f"`model.{key}` must be >= {low}, got {value}.")
+        if reward_timeout_s is not None and reward_timeout_s <= 0:
+            raise ValueError(f"`model.reward_timeout_s` must be > 0 (or null for no deadline), got {reward_timeout_s}.")
         if kl_coef < 0:
             raise ValueError(f"`model.kl_coef` must be >= 0, got {kl_coef}.")
         if advantage_estimator.group_baseline and sampling.n < 2:
@@ -147,6 +153,8 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         self.automatic_optimization = False
         self.policy_spec = policy
         self.reward_functions = list(rewards) if rewards else [RuleReward(reward_fn)]
+        for fn in self.reward_functions:
+            fn.set_default_timeout(reward_timeout_s, "model.reward_timeout_s")
         names = [fn.name for fn in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"`model.rewards`: two reward functions share a name ({names}); rename one.")

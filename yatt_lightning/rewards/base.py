@@ -4,6 +4,12 @@ Every reward function scores a batch of samples and returns one float per sample
 rewards and metrics to log). Several are summed with their weights. A function that raises or returns
 something that is not a finite number stops training with an error naming the function and the sample;
 with ``on_error: zero`` the sample scores 0 instead and the count is logged (``reward/<name>/errors``).
+
+Every call into a reward function has a deadline (``timeout_s``; unset, the module's
+``model.reward_timeout_s``): a rule function's call on one sample, a batch scorer's (:meth:`RewardFunction.score`)
+on the batch. A call past it is a failure like any other (``on_error``), named with the deadline's key and,
+for a rule function, the sample; it is counted in ``reward/<name>/timeouts`` too. The call runs on a worker
+thread (:mod:`yatt_lightning.rewards.deadline`), so a function that never returns cannot hold up the run.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +63,46 @@ class RewardFunction:
         weight: Multiplies this function's scores in the sum of rewards.
         on_error: ``raise`` stops training naming the sample; ``zero`` scores the sample 0 and counts it.
         name: Name in logs (default: derived from the function).
+        timeout_s: Deadline of one call (see the module's docstring); ``None``: ``model.reward_timeout_s``.
     """
 
     def __init__(
-        self, weight: float = 1.0, on_error: Literal["raise", "zero"] = "raise", name: str | None = None
+        self,
+        weight: float = 1.0,
+        on_error: Literal["raise", "zero"] = "raise",
+        name: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         if on_error not in ("raise", "zero"):
             raise ValueError(f"`on_error` must be 'raise' or 'zero', got {on_error!r}.")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"`timeout_s` of reward function {name or type(self).__name__} must be > 0, got {timeout_s}.")
         self.weight = weight
         self.on_error = on_error
         self.name = name or type(self).__name__
+        self.timeout_s = timeout_s
+        self.timeout_key = "timeout_s"  # the key that set the deadline, as an error names it
+        self._caller: TimedCaller | None = None
+
+    def set_default_timeout(self, timeout_s: float | None, key: str) -> None:
+        """The deadline of a function that set none (the module's ``reward_timeout_s``)."""
+        if self.timeout_s is None:
+            self.timeout_s, self.timeout_key = timeout_s, key
+
+    def timed(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` under this function's deadline (:class:`DeadlineExceeded` past it)."""
+        if self._caller is None or self._caller.timeout_s != self.timeout_s:
+            self._caller = TimedCaller(self.timeout_s, name=f"reward:{self.name}")
+        return self._caller(fn, *args, **kwargs)
+
+    def deadline_message(self, where: str = "") -> str:
+        return (
+            f"reward function {self.name} did not return within {self.timeout_s:g} s (`{self.timeout_key}`){where}; "
+            f"raise the deadline, or set `on_error: zero` to score such samples 0"
+        )
+
+    def __getstate__(self) -> dict:  # a worker thread does not travel (deepcopy, pickling)
+        return {**self.__dict__, "_caller": None}
 
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput | list[float]:
         raise NotImplementedError
@@ -75,11 +113,11 @@ class RewardFunction:
 
     def metric_names(self) -> list[str]:
         """Every metric this function may report (the same on every rank, so ranks can sum them)."""
-        return [f"reward/{self.name}/errors"]
+        return [f"reward/{self.name}/errors", f"reward/{self.name}/timeouts"]
 
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput:
         try:
-            out = self.score(prompts, completions, rows)
+            out = self.timed(self.score, prompts, completions, rows)
         except RewardError:
             raise
         except Exception as err:
@@ -89,10 +127,17 @@ class RewardFunction:
     def failed(self, err: Exception, n: int) -> RewardOutput:
         """What scoring ``n`` samples gives when it raised ``err``: a :class:`RewardError` naming this
         function (``on_error: raise``), or zeros, counted (``on_error: zero``)."""
+        late = isinstance(err, DeadlineExceeded)
+        what = self.deadline_message(f" on a batch of {n} samples") if late else (
+            f"reward function {self.name} raised {type(err).__name__}: {err}"
+        )
         if self.on_error == "raise":
-            raise RewardError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
-        log.warning("reward function %s raised %s: %s; scoring the batch 0", self.name, type(err).__name__, err)
-        return RewardOutput([0.0] * n, {f"reward/{self.name}/errors": float(n)})
+            raise RewardError(what) from err
+        log.warning("%s; scoring the batch 0", what)
+        metrics = {f"reward/{self.name}/errors": float(n)}
+        if late:
+            metrics[f"reward/{self.name}/timeouts"] = float(n)
+        return RewardOutput([0.0] * n, metrics)
 
     def checked(self, out, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput:
         """``score``'s output with one finite float per sample; anything else raises a :class:`RewardError`
@@ -144,7 +189,7 @@ class TokenRewardFunction(RewardFunction):
     def rollout_scores(self, batch) -> RewardOutput:
         n = len(batch)
         try:
-            tokens = self.score_tokens(batch.prompts, batch.completions, batch.completion_ids, batch.rows)
+            tokens = self.timed(self.score_tokens, batch.prompts, batch.completions, batch.completion_ids, batch.rows)
         except RewardError:
             raise
         except Exception as err:
@@ -172,28 +217,46 @@ class RuleReward(RewardFunction):
         weight: Multiplies the scores in the sum of rewards.
         on_error: ``raise`` (default) or ``zero`` (score 0 and count it).
         name: Name in logs (default: the function's dotted path).
+        timeout_s: Deadline of the function's call on one sample; ``None``: ``model.reward_timeout_s``.
     """
 
     def __init__(
-        self, path: str, weight: float = 1.0, on_error: Literal["raise", "zero"] = "raise", name: str | None = None
+        self,
+        path: str,
+        weight: float = 1.0,
+        on_error: Literal["raise", "zero"] = "raise",
+        name: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
-        super().__init__(weight=weight, on_error=on_error, name=name or path)
+        super().__init__(weight=weight, on_error=on_error, name=name or path, timeout_s=timeout_s)
         self.fn = load_callable(path)
 
+    def __call__(self, prompts, completions, rows) -> RewardOutput:
+        return self.checked(self.score(prompts, completions, rows), prompts, completions, rows)
+
     def score(self, prompts, completions, rows) -> RewardOutput:
-        scores, errors = [], 0
+        """Each sample's score, one call (under the deadline) per sample."""
+        scores, errors, late = [], 0, 0
         for prompt, completion, row in zip(prompts, completions, rows, strict=True):
             try:
-                scores.append(self.fn(prompt, completion, **public_fields(row)))
+                scores.append(self.timed(self.fn, prompt, completion, **public_fields(row)))
             except Exception as err:
+                timed_out = isinstance(err, DeadlineExceeded)
+                sample = describe_sample(prompt, completion, row)
+                what = self.deadline_message(f" on {sample}") if timed_out else (
+                    f"reward function {self.name} raised {type(err).__name__}: {err} on {sample}"
+                )
                 if self.on_error == "raise":
-                    raise RewardError(
-                        f"reward function {self.name} raised {type(err).__name__}: {err} on "
-                        f"{describe_sample(prompt, completion, row)}"
-                    ) from err
+                    raise RewardError(what) from err
+                if timed_out:
+                    log.warning("%s; scoring it 0", what)
                 scores.append(0.0)
                 errors += 1
-        return RewardOutput(scores, {f"reward/{self.name}/errors": float(errors)} if errors else {})
+                late += timed_out
+        metrics = {f"reward/{self.name}/errors": float(errors)} if errors else {}
+        if late:
+            metrics[f"reward/{self.name}/timeouts"] = float(late)
+        return RewardOutput(scores, metrics)
 
 
 def load_callable(path: str, key: str = "model.reward_fn") -> Callable:

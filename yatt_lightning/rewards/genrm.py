@@ -42,6 +42,7 @@ class GenerativeRewardModel(RewardFunction):
     weight: Multiplies the scores in the sum of rewards.
     on_error: ``raise`` or ``zero`` when the judge fails.
     name: Name in logs (``reward/<name>/...``).
+    timeout_s: Deadline of scoring one batch, in seconds; ``None``: ``model.reward_timeout_s``.
     """
 
     def __init__(
@@ -57,8 +58,9 @@ class GenerativeRewardModel(RewardFunction):
         weight: float = 1.0,
         on_error: Literal["raise", "zero"] = "raise",
         name: str = "judge",
+        timeout_s: float | None = None,
     ) -> None:
-        super().__init__(weight=weight, on_error=on_error, name=name)
+        super().__init__(weight=weight, on_error=on_error, name=name, timeout_s=timeout_s)
         if "{completion}" not in template:
             raise ValueError("GenerativeRewardModel: `template` must contain {completion}.")
         try:

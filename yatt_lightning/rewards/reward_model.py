@@ -19,6 +19,7 @@ class RewardModel(RewardFunction):
     weight: Multiplies the scores in the sum of rewards.
     on_error: ``raise`` or ``zero``.
     name: Name in logs.
+    timeout_s: Deadline of scoring one batch, in seconds; ``None``: ``model.reward_timeout_s``.
     """
 
     def __init__(
@@ -29,8 +30,9 @@ class RewardModel(RewardFunction):
         weight: float = 1.0,
         on_error: Literal["raise", "zero"] = "raise",
         name: str = "reward_model",
+        timeout_s: float | None = None,
     ) -> None:
-        super().__init__(weight=weight, on_error=on_error, name=name)
+        super().__init__(weight=weight, on_error=on_error, name=name, timeout_s=timeout_s)
         for key, value in (("batch_size", batch_size), ("max_length", max_length)):
             if value < 1:
                 raise ValueError(f"RewardModel: `{key}` must be >= 1, got {value}.")

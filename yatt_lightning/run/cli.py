@@ -81,9 +81,16 @@ class YattCLI(LightningCLI):
     def fit(self, **kwargs: Any) -> None:
         global _RUNNING
         _RUNNING = True  # from here on an error is a run-time one (exit code 1), not a configuration one
-        self.trainer.fit(**kwargs)
+        from lightning.pytorch.trainer.states import TrainerStatus
+
         from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
 
+        try:
+            self.trainer.fit(**kwargs)
+        except SystemExit:  # Lightning's after a KeyboardInterrupt (exit code 1): a Ctrl-C's is 130
+            if self.trainer.state.status == TrainerStatus.INTERRUPTED:
+                raise SystemExit(errors.INTERRUPTED) from None
+            raise
         for callback in self.trainer.callbacks:  # stopped by Ctrl-C / SIGTERM / SIGUSR1 after saving
             if isinstance(callback, AsyncCheckpoint) and callback.stopped_by is not None:
                 raise SystemExit(128 + int(callback.stopped_by))

@@ -1,0 +1,75 @@
+"""Calls into user code under a deadline: a reward function, a judge, later a tool.
+
+A Python thread cannot be stopped from outside, so the call runs on a daemon worker thread and the caller
+waits for it at most ``timeout_s`` seconds. A call past its deadline raises :class:`DeadlineExceeded` in
+the caller; its worker is abandoned (it may return later, unheard, or never: it is a daemon, so it never
+holds up the process's exit) and the next call gets a fresh worker. Waiting is interruptible: a signal
+handler that raises (a Ctrl-C's grace period ending, see :class:`~callbacks.AsyncCheckpoint`) stops the
+wait at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class DeadlineExceeded(TimeoutError):
+    """A call did not return within its deadline."""
+
+
+class _Worker(threading.Thread):
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            fn, args, kwargs, done = self.calls.get()
+            try:
+                done.append((True, fn(*args, **kwargs)))
+            except BaseException as err:  # noqa: BLE001 (handed to the caller, who decides)
+                done.append((False, err))
+            done.event.set()
+
+
+class _Done(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+
+class TimedCaller:
+    """Runs calls one at a time on a worker thread, each with a deadline.
+
+    Args:
+        timeout_s: The longest a call may take; ``None`` waits without a deadline (still on the worker, so
+            that a signal can interrupt the wait).
+        name: The worker thread's name (in a stack dump).
+    """
+
+    def __init__(self, timeout_s: float | None, name: str = "deadline") -> None:
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"a deadline must be > 0 seconds, got {timeout_s}.")
+        self.timeout_s = timeout_s
+        self.name = name
+        self._worker: _Worker | None = None
+        self.abandoned = 0  # workers left behind in a call past its deadline
+
+    def __call__(self, fn: Callable, *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)``, or :class:`DeadlineExceeded` after ``timeout_s`` seconds."""
+        if self._worker is None:
+            self._worker = _Worker(self.name)
+        done = _Done()
+        self._worker.calls.put((fn, args, kwargs, done))
+        if not done.event.wait(self.timeout_s):
+            self._worker = None  # stuck in the call: a new worker serves the next one
+            self.abandoned += 1
+            raise DeadlineExceeded(f"did not return within {self.timeout_s:g} s")
+        ok, value = done[0]
+        if ok:
+            return value
+        raise value
