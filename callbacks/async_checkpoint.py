@@ -30,8 +30,6 @@ own group, counting a signal any rollout rank reported) and the rollout ranks fo
 from __future__ import annotations
 
 import logging
-import os
-import random
 import signal
 import threading
 import time
@@ -44,14 +42,14 @@ from typing_extensions import override
 
 from yatt_lightning.checkpoint import folder as ckpt
 from yatt_lightning.checkpoint.lock import FolderLock, FolderLocked
+from yatt_lightning.checkpoint.signals import PREEMPTION_SIGNALS, PreemptionSignals
 from yatt_lightning.distributed import failures
 from yatt_lightning.distributed.failures import RankFailure
+from yatt_lightning.distributed.seeding import rng_states, set_rng_states
 from yatt_lightning.models.cpu import megatron_cpu_context
 
 log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
-PREEMPTION_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-_UNWIND_S = 15  # after a Ctrl-C's grace period, the main thread's time to unwind before the process exits
 
 
 class AsyncCheckpoint(Callback):
@@ -97,19 +95,16 @@ class AsyncCheckpoint(Callback):
         self.save_on_signal = save_on_signal
         self.save_at_end = save_at_end
         self.interrupt_grace_s = interrupt_grace_s
-        self._grace: threading.Timer | None = None  # running from a Ctrl-C until the step in flight ends
-        self._grace_over = False
+        self._signals = PreemptionSignals(interrupt_grace_s, lambda: self.dirpath)
         self._queue = None
         self._pending: list[tuple[int, Path]] = []
         self._last_saved_step: int | None = None  # the newest step whose checkpoint is complete
         self._scheduled_step: int | None = None  # the newest step a save was started for
         self._last_save_time = time.monotonic()
-        self._signal_received: int | None = None
         self._stop_requested = False  # a disaggregated rollout rank told the trainers of its signal
         self._lock: FolderLock | None = None  # rank 0: this run's hold on dirpath
         self.stopped_by: int | None = None  # the signal that stopped training (its exit code is 128 + it)
         self._start_step = 0
-        self._old_handlers: dict = {}
         self._restored_rng: dict | None = None
         self._training = False
         self.stall_seconds = 0.0  # time the step loop spent in this callback's saves (for benchmarks)
@@ -145,61 +140,20 @@ class AsyncCheckpoint(Callback):
                 "this run's checkpoints from its first save", self.dirpath,
             )  # fmt: skip
         if self._restored_rng is not None:
-            _set_rng_states(self._restored_rng)
+            set_rng_states(self._restored_rng)
             self._restored_rng = None
-        if self.save_on_signal:
-            # Replaces Lightning's SIGTERM handler (which runs collectives inside the handler and kills
-            # the run): ours only records the signal; the decision to save is taken at the safe point.
-            for sig in PREEMPTION_SIGNALS:
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if self.save_on_signal:  # ours only record the signal; the decision to save is taken at the safe point
+            self._signals.install()
         self._last_save_time = time.monotonic()
         self._start_step = trainer.global_step
         if trainer.ckpt_path:  # resumed: the state at this step is already saved
             self._last_saved_step = self._scheduled_step = trainer.global_step
 
-    def _on_signal(self, signum, frame) -> None:
-        if self._grace_over and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the grace period ended (see _give_up): unwind the main thread
-        if signum == signal.SIGINT and self._signal_received == signal.SIGINT:
-            # A second Ctrl-C: stop now. Nothing is renamed or tracked outside finalisation, so the newest
-            # complete checkpoint stays `latest`; a save in flight stays a `.tmp` that is never loaded.
-            log.warning("second Ctrl-C: stopping at once; `latest` in %s is unchanged", self.dirpath)
-            os._exit(128 + signal.SIGINT)
-        first = self._signal_received is None
-        self._signal_received = signum
-        if first and signum == signal.SIGINT:
-            log.warning(
-                "Ctrl-C: finishing this step (at most %g s, `interrupt_grace_s`), then saving and stopping "
-                "(Ctrl-C again stops at once)", self.interrupt_grace_s,
-            )  # fmt: skip
-            self._grace = threading.Timer(self.interrupt_grace_s, self._give_up)
-            self._grace.daemon = True
-            self._grace.start()
-
-    def _give_up(self) -> None:
-        """The grace timer's thread: the step did not end in time; stop without saving it."""
-        log.warning(
-            "Ctrl-C: the step did not finish within %g s (`interrupt_grace_s`); stopping without saving it; "
-            "`latest` in %s is unchanged", self.interrupt_grace_s, self.dirpath,
-        )  # fmt: skip
-        self._grace_over = True
-        self.stopped_by = signal.SIGINT
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a blocking system call returns
-        time.sleep(_UNWIND_S)
-        log.warning("the main thread did not unwind within %d s (blocked in a collective?): exiting", _UNWIND_S)
-        logging.shutdown()
-        os._exit(128 + signal.SIGINT)
-
-    def _end_grace(self) -> None:
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
-
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """The safe point: after the optimizer step, before the next rollout's weight push."""
         t0 = time.perf_counter()
-        self._end_grace()  # the step in flight at a Ctrl-C ended in time
+        self._signals.reached_safe_point()  # the step in flight at a Ctrl-C ended in time
         self._finalize(trainer, blocking=False)
         if trainer.strategy.role != "colocated":
             self._follow(trainer, self._decisions(trainer, final=False))
@@ -211,7 +165,7 @@ class AsyncCheckpoint(Callback):
         if due and step != self._scheduled_step:
             self.save(trainer)
         if signalled:
-            self._stop(trainer, self._signal_received, step)
+            self._stop(trainer, self._signals.received, step)
         self.stall_seconds += time.perf_counter() - t0
 
     def _stop(self, trainer, signum: int | None, step: int) -> None:
@@ -240,7 +194,7 @@ class AsyncCheckpoint(Callback):
     def _decisions(self, trainer, final: bool) -> list:
         """The trainers decide; a rollout rank reports its signal and takes the decisions it follows now."""
         placement = trainer.strategy.placement
-        signum = self._signal_received if self.save_on_signal else None
+        signum = self._signals.received if self.save_on_signal else None
         if trainer.strategy.role == "rollout":
             if signum is not None and not self._stop_requested:
                 placement.request_stop(signum)
@@ -264,14 +218,10 @@ class AsyncCheckpoint(Callback):
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._training = False
-        if not self._grace_over:
-            self._end_grace()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers.clear()
+        self._signals.restore()
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -319,12 +269,14 @@ class AsyncCheckpoint(Callback):
         """Collective: start a checkpoint of the current state (at most one in flight), named by ``step``
         (default: this rank's; a disaggregated rollout rank saves under the trainers' step)."""
         asynchronous = self.async_save if asynchronous is None else asynchronous
+        if hasattr(trainer.strategy, "enter_stage"):
+            trainer.strategy.enter_stage("checkpoint", trainer.global_step)
         if self._pending:
             self._finalize(trainer, blocking=True)
         step = trainer.global_step if step is None else step
         final = self.dirpath / ckpt.checkpoint_name(step)
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        state["yatt_rng"] = _rng_states()
+        state["yatt_rng"] = rng_states()
         request = ckpt.begin(trainer.strategy, state, final, asynchronous=asynchronous)
         self._scheduled_step = step
         self._last_save_time = time.monotonic()
@@ -373,7 +325,7 @@ class AsyncCheckpoint(Callback):
         """Every rank learns whether any rank got a preemption signal and whether the timer is due on rank 0."""
         local = torch.tensor(
             [
-                1.0 if (self.save_on_signal and self._signal_received is not None) else 0.0,
+                1.0 if (self.save_on_signal and self._signals.received is not None) else 0.0,
                 1.0 if self._timer_due(trainer) else 0.0,
             ]
         )
@@ -407,28 +359,3 @@ def default_dirpath(trainer) -> Path:
     if save_dir and name:
         return Path(save_dir) / name / "checkpoints"
     return Path(trainer.default_root_dir) / "checkpoints"
-
-
-def _rng_states() -> dict:
-    import numpy as np
-    from megatron.core.tensor_parallel import random as mrandom
-
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    if mrandom._CUDA_RNG_STATE_TRACKER is not None:
-        states["megatron"] = {k: v.clone() for k, v in mrandom._CUDA_RNG_STATE_TRACKER.get_states().items()}
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    import numpy as np
-    from megatron.core.tensor_parallel import random as mrandom
-
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "megatron" in states and mrandom._CUDA_RNG_STATE_TRACKER is not None:
-        mrandom._CUDA_RNG_STATE_TRACKER.set_states(states["megatron"])

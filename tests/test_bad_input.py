@@ -58,6 +58,10 @@ CONFIG_CASES = {
                                          {"p.json": '[{"prompt": "a"}]\n'}),
     "read-only root dir": Case(["--trainer.default_root_dir", "/proc/1/runs"],
                                r"`trainer.default_root_dir`: /proc/1/runs cannot be written \(/proc/1 is read-only"),
+    "watchdog after the collective's timeout": Case(
+        ["--trainer.strategy.watchdog_minutes", "45"],
+        r"`trainer.strategy.watchdog_minutes` \(45.0\) must be > 0 and below `timeout_minutes` \(30.0\)"),
+    "a reward deadline of 0": Case(["--model.reward_timeout_s", "0"], r"`model.reward_timeout_s` must be > 0"),
     "fewer rows than a step": Case(["--data.path", "p.jsonl", "--data.batch_size", "4"],
                                    r"has 2 rows, fewer than one step needs .*`data.batch_size`=4",
                                    {"p.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n'}),
@@ -275,3 +279,32 @@ def test_ctrl_c_during_a_stuck_step_stops_once_within_the_grace_period_leaving_l
     assert "the step did not finish within 3 s (`interrupt_grace_s`); stopping without saving it" in out
     assert ckpt.tracked(ckpts) == latest and ckpt.verify(latest) == []
     assert "Traceback" not in out and out.count("Ctrl-C: finishing this step") == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_its_reward_is_named_by_the_watchdog_and_every_rank_exits(tmp_path):
+    """Tier 3, 2 processes: rank 1's reward function never returns and has no deadline; rank 0 waits for
+    it at the end of scoring. The watchdog's screen names rank 1 and its stage; rank 1's log has its stack."""
+    (tmp_path / "rw.py").write_text(
+        "import os, time\n"
+        "def score(prompt, completion, **row):\n"
+        "    if os.environ.get('LOCAL_RANK') == '1':\n"
+        "        time.sleep(600)\n"
+        "    return 0.5\n"
+    )
+    t0 = time.monotonic()
+    proc = yatt(
+        ["fit", "--config", TINY, "--trainer.devices", "2", "--trainer.max_steps", "3", "--model.reward_fn", "rw.score",
+         "--model.reward_timeout_s", "null", "--trainer.strategy.watchdog_minutes", "0.05",
+         "--trainer.default_root_dir", str(tmp_path / "runs")],
+        cwd=tmp_path, timeout=240, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert time.monotonic() - t0 < 120
+    screen = [line for line in out.splitlines() if "watchdog:" in line]
+    assert len(screen) == 1 and re.search(r"rank 0 has waited \d+ s at 'scored' of step 0 for its peers: rank 1 is still "
+                                          r"at 'reward' of step 0", screen[0]), out[-3000:]  # fmt: skip
+    assert "Traceback" not in out and "GLHF" not in out, out[-3000:]
+    late = (tmp_path / "runs" / "grpo_tiny" / "version_0" / "output.rank1.log").read_text()
+    assert "rank 1 is late" in late and re.search(r"File \".*rw\.py\", line 4 in score", late), late[-3000:]

@@ -74,3 +74,42 @@ def test_a_non_finite_loss_names_which_loss():
         )
     with pytest.raises(NonFiniteLossError, match=r"^the policy loss is NaN/inf at step 0"):
         check_finite([{"finite": torch.tensor(False)}], 0)
+
+
+def test_the_watchdog_names_the_rank_that_never_arrives_and_its_stage_within_its_deadline():
+    """Tier 2: rank 1 is stuck in its reward stage; rank 0 waits in a collective. Both exit 1 within the
+    deadline plus a bound; rank 0's screen names rank 1 and the stage; rank 1's stack shows where it is."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import SCRIPTS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    deadline = 2.0
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPTS / "watchdog_ranks.py"), str(rank), str(port), str(deadline)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=90))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError("the watchdog did not stop the ranks") from None
+    ended = time.time()
+    started = max(float(re.search(r"started (\S+)", out).group(1)) for out, _ in outs)
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert ended - started < deadline + 10
+    screen = [line for line in outs[0][1].splitlines() if "watchdog:" in line and "rank 1 is still" in line]
+    assert screen and re.search(r"rank 0 has waited \d+ s at 'train' of step 3 for its peers: rank 1 is still at 'reward' of step 3 "
+                                r"\(for \d+ s\); it never arrived.*`trainer.strategy.watchdog_minutes`", screen[-1]), outs[0][1]  # fmt: skip
+    assert "in stuck_reward" in outs[1][1] and "rank 1 is late" in outs[1][1], outs[1][1]  # its stack, in its log
+    assert not any("rank 0 has waited" in line for line in outs[1][1].splitlines() if "yatt" in line)

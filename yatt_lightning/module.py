@@ -25,7 +25,7 @@ from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
-from yatt_lightning.distributed.seeding import resolve_seed, sampling_seed
+from yatt_lightning.distributed.seeding import resolve_seed
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
@@ -38,6 +38,7 @@ from yatt_lightning.training.async_steps import AsyncSteps, StepCounter
 from yatt_lightning.training.critic import Critic
 from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
+from yatt_lightning.training.prompts import Prompts
 from yatt_lightning.training.step_metrics import StepContext, step_stats
 from yatt_lightning.training.update import PolicyUpdate
 
@@ -46,7 +47,7 @@ from yatt_lightning.training.update import PolicyUpdate
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
-class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
+class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
     """GRPO-style RL post-training of a Megatron-Core policy.
 
     Args:
@@ -283,9 +284,11 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         t0 = time.perf_counter()
         error, rollouts, scores, t1 = None, None, None, t0
         try:
+            strategy.enter_stage("rollout", self.trainer.global_step)
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
             if len(rollouts):  # partial rollout: no group may have finished on some rank this step
+                strategy.enter_stage("reward", self.trainer.global_step)
                 scores = self.reward(rollouts)
                 scores = scores if isinstance(scores, Scores) else Scores(torch.as_tensor(scores), {})
                 rollouts = rollouts.scored(scores.total, scores.token_rewards)
@@ -293,6 +296,7 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
             if isinstance(err, RankFailure) and err.agreed:
                 raise  # already collective: every rank raises it at the same point
             error = err
+        strategy.enter_stage("scored", self.trainer.global_step)
         waited = strategy.finish_scoring(error)
         t2 = time.perf_counter()
         if len(rollouts) == 0:
@@ -319,6 +323,7 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
             train_on = sampled.batch
             figures.update(sampled.metrics)
         stats = None
+        strategy.enter_stage("train", self.trainer.global_step)
         if train_on is not None:
             inputs, kl_figures = self.advantage_inputs(train_on)
             figures.update(kl_figures)
@@ -377,32 +382,3 @@ class RLHFModule(PolicyUpdate, AsyncSteps, pl.LightningModule):
         for part in (self.dynamic_sampling, self.long_tail):
             if hasattr(part, "commit"):
                 part.commit()
-
-    def tokenize_batch(self, batch: list[dict]) -> list[list[int]]:
-        """Prompt token ids of this rank's rows. Collective: a prompt that fails to tokenize (too long, say)
-        on one rank raises on every rank, before any rank enters the rollout's collectives."""
-        with fail_together(self.trainer.strategy.controller.group):
-            return [self.tokenize_prompt(row) for row in batch]
-
-    # ------------------------------------------------------------------ hooks
-    def prompt_format_for(self, path, tokenizer) -> PromptFormat:
-        """How this module's rows become prompt ids for the model folder ``path`` (also used by preflight)."""
-        return PromptFormat.of(
-            path, tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt
-        )
-
-    def tokenize_prompt(self, row: dict) -> list[int]:
-        """The row's prompt ids (:mod:`yatt_lightning.chat`), image tokens expanded to the model's count."""
-        ids = self.prompt_format.ids(row)
-        ids = self.images.expand(ids) if self.images is not None else ids
-        if len(ids) > self.max_prompt_tokens:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens ({row.get('_source', 'built-in task')}) is longer than "
-                f"`model.max_prompt_tokens`={self.max_prompt_tokens}; raise it or shorten the prompt."
-            )
-        return ids
-
-    def sample_seeds(self, batch: list[dict]) -> list[int]:
-        """A sampling seed per prompt, fixed by (seed, step, row): a resumed run samples the same."""
-        step = self.trainer.global_step
-        return [sampling_seed(self.seed, step, row, i) for i, row in enumerate(batch)]

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from yatt_lightning.distributed import failures, training_world
+from yatt_lightning.distributed.watchdog import Watchdog
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
 from yatt_lightning.rollout.base import RolloutEngine
@@ -52,6 +53,10 @@ class MegatronStrategy(DDPStrategy):
         offload_params: While the engine generates on a GPU, also move the policy's parameters to host
             memory (gradients and optimizer state always move). Ignored on CPU.
         timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
+        watchdog_minutes: A rank that stands at one stage of its step (rollout, reward, train, ...)
+            this long while a peer is still at an earlier one stops the run, naming the late rank and its
+            stage, with every thread's stack in each rank's log (:mod:`yatt_lightning.distributed.watchdog`);
+            below ``timeout_minutes``. ``None``: no watchdog.
     """
 
     def __init__(
@@ -63,8 +68,15 @@ class MegatronStrategy(DDPStrategy):
         placement: Placement | None = None,
         offload_params: bool = False,
         timeout_minutes: float = 30.0,
+        watchdog_minutes: float | None = 20.0,
         **kwargs: Any,
     ) -> None:
+        if watchdog_minutes is not None and not 0 < watchdog_minutes < timeout_minutes:
+            raise ValueError(
+                f"`trainer.strategy.watchdog_minutes` ({watchdog_minutes}) must be > 0 and below `timeout_minutes` "
+                f"({timeout_minutes}), or the collective's timeout ends the run first without naming the late rank; "
+                "set it lower, or null for no watchdog."
+            )
         if tensor_model_parallel_size < 1:
             raise ValueError(
                 f"`trainer.strategy.tensor_model_parallel_size` must be >= 1, got {tensor_model_parallel_size}."
@@ -91,6 +103,8 @@ class MegatronStrategy(DDPStrategy):
                 "`trainer.strategy.placement`: PartialColocation moves data itself; keep the ParallelController."
             )
         self.offload_params = offload_params
+        self.watchdog_minutes = watchdog_minutes
+        self.watchdog: Watchdog | None = None
         self._engine_started = False
         self.resumed_from: Path | None = None
         self.run_id = uuid.uuid4().hex  # recorded in checkpoint manifests; a resumed run keeps its run's id
@@ -109,6 +123,14 @@ class MegatronStrategy(DDPStrategy):
             self.controller.group = next(g for g, r in zip(groups, roles, strict=True) if self.global_rank in r)
             trains = self.global_rank in roles[0]  # the trainers come first
             training_world.set_training_ranks(len(roles[0]) if trains else None, groups[0] if trains else None)
+        if self.watchdog_minutes is not None and self.world_size > 1 and self.watchdog is None:
+            peers = next(r for r in roles if self.global_rank in r) if len(roles) > 1 else range(self.world_size)
+            self.watchdog = Watchdog(self.watchdog_minutes * 60, self.global_rank, list(peers)).start()
+
+    def enter_stage(self, stage: str, step: int) -> None:
+        """This rank's step enters ``stage`` (the watchdog compares it with its peers')."""
+        if self.watchdog is not None:
+            self.watchdog.enter(stage, step)
 
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
@@ -205,6 +227,9 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self._engine_started:
             self.engine.shutdown()  # before the process group goes: vLLM's groups hang off it
             self.placement.shutdown(self.rollout.setup.reward_functions)

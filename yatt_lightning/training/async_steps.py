@@ -67,10 +67,12 @@ class AsyncSteps:
         placement = strategy.placement
         step = placement.steps  # RL steps, not optimizer steps (an RL step may take several)
         try:
+            strategy.enter_stage("rollout", step)
             version, waited, sync = placement.await_weights(step, strategy.engine)
             t0 = time.perf_counter()
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
+            strategy.enter_stage("reward", step)
             scores = self.reward(rollouts)
             rollouts = rollouts.scored(scores.total, scores.token_rewards)
             rollouts = dataclasses.replace(rollouts, versions=[(version, version)] * len(rollouts))
