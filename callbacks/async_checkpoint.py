@@ -34,13 +34,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
 from yatt_lightning.checkpoint import folder as ckpt
+from yatt_lightning.checkpoint import space
 from yatt_lightning.checkpoint.lock import FolderLock, FolderLocked
 from yatt_lightning.checkpoint.signals import PREEMPTION_SIGNALS, PreemptionSignals
 from yatt_lightning.distributed import failures
@@ -66,6 +67,9 @@ class AsyncCheckpoint(Callback):
     save_at_end: Save when training ends.
     interrupt_grace_s: After a Ctrl-C, the longest the step in flight may take to reach its end (and be
         saved); past it the run stops without saving it.
+    on_no_space: Before each save, when the folder's disk has less free space than the save needs (the
+        last checkpoint's size, or an estimate before the first; :mod:`yatt_lightning.checkpoint.space`):
+        ``warn`` in one line, or ``stop`` the run before writing.
     """
 
     def __init__(
@@ -78,11 +82,14 @@ class AsyncCheckpoint(Callback):
         save_on_signal: bool = True,
         save_at_end: bool = True,
         interrupt_grace_s: float = 60.0,
+        on_no_space: Literal["warn", "stop"] = "warn",
     ) -> None:
         if every_n_steps is not None and every_n_steps < 0:
             raise ValueError(f"`AsyncCheckpoint.every_n_steps` must be >= 0, got {every_n_steps}.")
         if every_minutes is not None and every_minutes <= 0:
             raise ValueError(f"`AsyncCheckpoint.every_minutes` must be > 0, got {every_minutes}.")
+        if on_no_space not in ("warn", "stop"):
+            raise ValueError(f"`AsyncCheckpoint.on_no_space` must be 'warn' or 'stop', got {on_no_space!r}.")
         if interrupt_grace_s <= 0:
             raise ValueError(f"`AsyncCheckpoint.interrupt_grace_s` must be > 0, got {interrupt_grace_s}.")
         if keep_last < 1:
@@ -96,6 +103,8 @@ class AsyncCheckpoint(Callback):
         self.save_at_end = save_at_end
         self.interrupt_grace_s = interrupt_grace_s
         self._signals = PreemptionSignals(interrupt_grace_s, lambda: self.dirpath)
+        self.on_no_space = on_no_space
+        self._needed = 0  # what the save in flight needs, as its error would say
         self._queue = None
         self._pending: list[tuple[int, Path]] = []
         self._last_saved_step: int | None = None  # the newest step whose checkpoint is complete
@@ -230,6 +239,8 @@ class AsyncCheckpoint(Callback):
         if isinstance(exception, KeyboardInterrupt):
             log.warning("interrupted: the step in flight is not saved; `latest` in %s is unchanged", self.dirpath)
             return
+        if space.is_no_space(exception):
+            return  # its message says what is saved; another save would meet the same full disk
         if trainer.global_step == self._start_step:
             log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
             return
@@ -275,13 +286,16 @@ class AsyncCheckpoint(Callback):
             self._finalize(trainer, blocking=True)
         step = trainer.global_step if step is None else step
         final = self.dirpath / ckpt.checkpoint_name(step)
+        self._check_space(trainer, final)
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state["yatt_rng"] = rng_states()
-        request = ckpt.begin(trainer.strategy, state, final, asynchronous=asynchronous)
+        with self._no_space_is_one_screen(trainer, final):
+            request = ckpt.begin(trainer.strategy, state, final, asynchronous=asynchronous)
         self._scheduled_step = step
         self._last_save_time = time.monotonic()
         if request is None:
-            ckpt.finalize(trainer.strategy, final)
+            with self._no_space_is_one_screen(trainer, final):
+                ckpt.finalize(trainer.strategy, final)
             self._done(trainer, step, final)
             return
         if self._queue is None:
@@ -301,7 +315,7 @@ class AsyncCheckpoint(Callback):
         if not self._pending:
             return
         try:
-            with megatron_cpu_context():
+            with megatron_cpu_context(), self._no_space_is_one_screen(trainer, self._pending[0][1]):
                 done = self._queue.maybe_finalize_async_calls(blocking=blocking)
         except BaseException:  # Megatron dropped the failed call from its queue: so do we (it was not saved)
             self._pending.clear()
@@ -309,6 +323,19 @@ class AsyncCheckpoint(Callback):
         for _ in done:
             step, final = self._pending.pop(0)
             self._done(trainer, step, final)
+
+    def _check_space(self, trainer, final: Path) -> None:
+        """Collective: rank 0 compares the free space with what this save needs (warns, or stops every rank)."""
+        error = None
+        if trainer.is_global_zero:
+            self._needed, error = space.before_save(trainer.strategy, self.dirpath, final.name, self.on_no_space)
+        if trainer.world_size > 1:
+            failures.agree(error)
+        elif error is not None:
+            raise error
+
+    def _no_space_is_one_screen(self, trainer, final: Path):
+        return space.one_screen(self.dirpath, final, self._needed, remove_tmp=trainer.is_global_zero)
 
     def _done(self, trainer, step: int, final: Path) -> None:
         self._last_saved_step = step

@@ -114,14 +114,15 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
 
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
-    if strategy.is_global_zero:
-        for stale in final.parent.glob("*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)  # a save that never finished (crash, kill)
-        (tmp / WEIGHTS).mkdir(parents=True)
-        (tmp / "hf").mkdir()
-        model_path = Path(strategy.lightning_module.model_path)
-        for path in hf_files(model_path):
-            shutil.copy2(path, tmp / "hf" / path.name)
+    with failures.fail_together():  # a full disk on rank 0 stops every rank here, not in the barrier
+        if strategy.is_global_zero:
+            for stale in final.parent.glob("*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)  # a save that never finished (crash, kill)
+            (tmp / WEIGHTS).mkdir(parents=True)
+            (tmp / "hf").mkdir()
+            model_path = Path(strategy.lightning_module.model_path)
+            for path in hf_files(model_path):
+                shutil.copy2(path, tmp / "hf" / path.name)
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
     module = strategy.lightning_module
@@ -145,7 +146,8 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
         request = request._replace(async_fn=partial(_write_and_describe, write, tmp, rank, state_bytes))
         request.add_finalize_fn(partial(finalize, strategy, final))
         return request
-    _write_and_describe(None, tmp, rank, state_bytes)
+    with failures.fail_together(_trainers_group(strategy)):
+        _write_and_describe(None, tmp, rank, state_bytes)
     return None
 
 

@@ -12,10 +12,13 @@ write buckets in the request's arguments, ``write_preloaded_data.__wrapped__`` a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
+import sys
 import threading
+import traceback
 from typing import Any
 
 import torch
@@ -124,11 +127,14 @@ def _thread_calls_queue_class() -> type:
 
 def _run_writer(fn, args, kwargs) -> None:
     """The writer thread. Megatron's writes report failures through the results queue and ours through
-    ``error_rank<r>.txt``; finalisation raises them on every rank. This only keeps a traceback in the log."""
+    ``error_rank<r>.txt``; finalisation raises them on every rank. This only keeps a traceback in the
+    library output's log (not on the terminal: the failure's one screen comes from finalisation)."""
     try:
         fn(*args, **kwargs)
     except BaseException:
-        log.exception("the checkpoint writer thread failed")
+        with contextlib.suppress(OSError, ValueError):  # that log may be on the disk that just filled
+            print("the checkpoint writer thread failed:", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
 
 
 def _write_buckets_in_order(transform_list, use_msc, rank: int, write_buckets: list, results_queue) -> None:
@@ -149,7 +155,7 @@ def _write_buckets_in_order(transform_list, use_msc, rank: int, write_buckets: l
         write_bucket(transform_list, i, bucket, local_results, count, True, **extra)
         idx, result = local_results.get()
         if isinstance(result, Exception):
-            log.error("checkpoint bucket %d of rank %d failed: %s", idx, rank, result)
+            log.debug("checkpoint bucket %d of rank %d failed: %s", idx, rank, result)
             results = result
             break
         results[idx] = result

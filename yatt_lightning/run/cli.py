@@ -8,6 +8,7 @@ and callbacks is a config key with its docstring in ``--help``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -230,8 +231,9 @@ def main(args: list[str] | None = None) -> None:
             raise
         log_path = console.last_capture
         if log_path is not None and log_path.exists():
-            with open(log_path, "a") as f:
-                f.write("".join(traceback.format_exception(err)))
+            with contextlib.suppress(OSError):  # a full disk: the screen below still says what happened
+                with open(log_path, "a") as f:
+                    f.write("".join(traceback.format_exception(err)))
         text, code = errors.error_screen(err, configuring=not _RUNNING, log_path=log_path)
         print(text, file=sys.stderr, flush=True)
         sys.exit(code)
