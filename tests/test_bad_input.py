@@ -61,6 +61,10 @@ CONFIG_CASES = {
     "watchdog after the collective's timeout": Case(
         ["--trainer.strategy.watchdog_minutes", "45"],
         r"`trainer.strategy.watchdog_minutes` \(45.0\) must be > 0 and below `timeout_minutes` \(30.0\)"),
+    "a mistyped trainer key": Case(["--trainer.max_stesp", "3"],
+                                   r"unknown key `trainer.max_stesp`; did you mean `trainer.max_steps`\?"),
+    "a mistyped top-level key": Case(["--seed_everyting", "3"],
+                                     r"unknown key `seed_everyting`; did you mean `seed_everything`\?"),
     "a reward deadline of 0": Case(["--model.reward_timeout_s", "0"], r"`model.reward_timeout_s` must be > 0"),
     "fewer rows than a step": Case(["--data.path", "p.jsonl", "--data.batch_size", "4"],
                                    r"has 2 rows, fewer than one step needs .*`data.batch_size`=4",

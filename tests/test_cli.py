@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -19,6 +20,53 @@ def test_every_shipped_config_parses_through_the_cli(config, tmp_path):
     code, out = yatt_in_process(["fit", "--config", str(config), "--print_config"], cwd=tmp_path)
     assert code == 0, out
     assert "class_path: yatt_lightning.module.RLHFModule" in out
+
+
+def _stand_in(model: Path, dest: Path) -> Path:
+    """A copy of a built-in model's folder long enough for a GPU config's token budgets (its config only is
+    read when the objects are built; no weights are loaded)."""
+    shutil.copytree(model, dest)
+    config = json.loads((dest / "config.json").read_text())
+
+    def lengthen(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                node[key] = 32768 if key == "max_position_embeddings" else lengthen(value)
+        return node
+
+    (dest / "config.json").write_text(json.dumps(lengthen(config)))
+    return dest
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_every_shipped_config_builds_its_objects_on_cpu(config, tmp_path, monkeypatch):
+    """Tier 1: the constructors of every shipped config run (and so their checks: layouts, token budgets
+    against the model's positions, reward signatures), the GPU configs' too: their model and data paths
+    point at stand-ins, the accelerator at the CPU. No process group or engine starts."""
+    from yatt_lightning.models.builtin import resolve_model_path
+    from yatt_lightning.run.cli import YattCLI
+
+    text = config.read_text()
+    qwen = _stand_in(resolve_model_path("builtin:tiny-qwen2"), tmp_path / "qwen")
+    llava = _stand_in(resolve_model_path("builtin:tiny-llava"), tmp_path / "llava")
+    text = re.sub(r"/models/llava[\w.-]*", str(llava), text)
+    text = re.sub(r"/models/[\w.-]+", str(qwen), text)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"what is {i}+1?", "answer": str(i + 1)}) + "\n"
+                                                 for i in range(512)))  # fmt: skip
+    text = re.sub(r"/data/[\w.-]+\.jsonl", str(tmp_path / "rows.jsonl"), text)
+    (tmp_path / "my_rewards.py").write_text("def count_answer(prompt, completion, **row):\n    return 0.0\n")
+    (tmp_path / "config.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cli = YattCLI(args=["--config", "config.yaml", "--trainer.accelerator", "cpu"], run=False)
+    strategy = cli.trainer.strategy
+    placement = re.search(r"placement:\s*\n\s*class_path: (\S+)", text)
+    assert type(strategy.placement).__name__ == (placement.group(1).rsplit(".", 1)[-1] if placement else "FullColocation")
+    tp = re.search(r"tensor_model_parallel_size: (\d+)", text)
+    assert strategy.tensor_model_parallel_size == (int(tp.group(1)) if tp else 1)
+    names = [n for n in re.findall(r"class_path: yatt_lightning\.rewards\.(?:\S+\.)?(\w+)\s", text) if "Parser" not in n]
+    assert [type(fn).__name__ for fn in cli.model.reward_functions] == (names or ["RuleReward"])
+    assert not strategy._engine_started
 
 
 def test_cli_overrides_reach_the_config(tmp_path):

@@ -28,6 +28,8 @@ _NOISE = re.compile(
     r"Does not validate against any of the Union subtypes)"
 )
 _UNKNOWN = re.compile(r"Option '(?P<key>[^']+)' is not accepted")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (?P<args>.*)")
+_TOP_KEYS = ("trainer", "model", "data", "seed_everything", "ckpt_path", "config", "print_config")
 _PARSER_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
 _CLASS_PATH = re.compile(r"Problem with given class_path '(?P<path>[^']+)'")
 
@@ -79,6 +81,9 @@ def config_message(err: BaseException) -> str:
     unknown = _UNKNOWN.search(text)
     if unknown:
         return unknown_key_message(str(errors[0]), unknown.group("key"))
+    unrecognized = _UNRECOGNIZED.search(text)
+    if unrecognized:
+        return unrecognized_message(unrecognized.group("args"))
     if re.search(r"No supported gpu backend found|CUDAAccelerator can not run on your system", text):
         return (
             "`trainer.accelerator`: this machine has no usable GPU (torch sees no CUDA device); run on CPU with "
@@ -103,6 +108,27 @@ def unknown_key_message(text: str, key: str) -> str:
     close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.5)
     if close:
         message += f"; did you mean `{close[0]}`?"
+    return message + "\n`yatt fit --help` lists every key; `--print_config` shows the resolved configuration."
+
+
+def unrecognized_message(args: str) -> str:
+    """``unknown key `trainer.max_stesp`; did you mean `trainer.max_steps`?`` for an option argparse refused
+    (the Trainer's own keys and the top-level ones; a class's keys go through :func:`unknown_key_message`)."""
+    option = next((a for a in args.split() if a.startswith("--")), args.split()[0] if args.split() else "")
+    key = option.lstrip("-").split("=", 1)[0]
+    head, _, leaf = key.rpartition(".")
+    if head == "trainer":
+        accepted = _accepted("lightning.pytorch.Trainer")
+    elif not head:
+        accepted = list(_TOP_KEYS)
+    else:
+        accepted = []
+    message = f"unknown key `{key}`"
+    close = difflib.get_close_matches(leaf, accepted, n=1, cutoff=0.5)
+    if close:
+        message += f"; did you mean `{'.'.join(filter(None, (head, close[0])))}`?"
+    elif head == "trainer":
+        message += f" (Trainer takes: {', '.join(accepted)})"
     return message + "\n`yatt fit --help` lists every key; `--print_config` shows the resolved configuration."
 
 
