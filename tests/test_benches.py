@@ -45,8 +45,9 @@ def check(name: str, figures: dict[str, float]) -> None:
     f = figures
     if name == "algorithms.py":  # every algorithm's tiny config, 30 RL steps: each raises the task reward
         assert f["total"] == 7 and f["learned"] == f["total"]
-    elif name == "async_ckpt.py":
-        assert -5 < f["stall_ratio"] < 5  # at 4 MiB the figure is noise; the size that counts is in RESULTS.md
+    elif name == "async_ckpt.py":  # at 4 MiB the ratio is noisy (the size that counts is in RESULTS.md), but
+        # an asynchronous save that cost two synchronous ones would be broken
+        assert f["stall_ratio"] < 2
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are
         # noise here (bench/RESULTS.md has the full size); what must hold is the structure of the runs
         assert 1.0 <= f["bound"] <= 2.0 and f["x"] > 0.5 and abs(f["gap"]) < 0.2
@@ -54,7 +55,7 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "controller_scaling.py":
         assert f["data"] < 0.3 and 0 < f["total"] <= 1
     elif name == "dp_balance.py":
-        assert f["after"] <= 1.1 and f["after"] < f["before"] and f["speedup"] > 0
+        assert f["after"] <= 1.1 and f["after"] < f["before"] and f["speedup"] > 0.5  # never twice as slow
     elif name == "gpu_check.py":
         assert f["logit_diff"] < 1e-4 and f["grad_norm"] > 0
     elif name == "interrupts.py":
@@ -67,8 +68,9 @@ def check(name: str, figures: dict[str, float]) -> None:
         assert f["margin"] > 0  # a deterministic run: 12 steps already raise the reward
     elif name == "multimodal_controller.py":  # 1 and 2 ranks, 64 KB images, the parallel controller only
         assert 0.9 < f["parallel"] <= 1.1
-    elif name == "placement.py":
-        assert f["ratio"] > 0
+    elif name == "placement.py":  # 1 step: noisy, but a partial placement that serialised (or waited out a
+        # timeout) on its judge would be far outside this
+        assert 0.2 < f["ratio"] < 5
     elif name == "step_efficiency.py":  # one measured step of 16 tokens: only the sense of the figures holds
         assert f["r"] > 0.5 and f["t"] > 0.5 and 0 <= f["o"] < 1
     elif name == "step_breakdown.py":
@@ -87,5 +89,8 @@ def test_bench_runs_at_its_smoke_size(name, tmp_path):
     m = re.fullmatch(LAST_LINE[name], last)
     assert m, f"{name}: last line {last!r} is not in the format bench/RESULTS.md quotes"
     check(name, {k: float(v) for k, v in m.groupdict().items()})
+    if name == "async_ckpt.py":  # the save call returns before the write (it was 0.3 here; ~1 if it wrote inline)
+        ratio = re.search(r"^async_call_over_sync=(\S+)$", proc.stdout, re.M)
+        assert ratio and float(ratio.group(1)) < 0.8, proc.stdout[-2000:]
     if name == "async_rl.py":  # lag 0 never ran ahead, lag 1 did (by exactly one version), colocated has no lag
         assert "lag0_staleness_max=0 lag1_staleness_max=1 colocated_staleness_max=0" in proc.stdout.splitlines()
