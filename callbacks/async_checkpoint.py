@@ -287,6 +287,9 @@ class AsyncCheckpoint(Callback):
         step = trainer.global_step if step is None else step
         final = self.dirpath / ckpt.checkpoint_name(step)
         self._check_space(trainer, final)
+        rollout = getattr(trainer.strategy, "rollout", None)
+        if rollout is not None and rollout.setup is not None:  # a round without an update left it offloaded
+            rollout.prepare_training()
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state["yatt_rng"] = rng_states()
         with self._no_space_is_one_screen(trainer, final):

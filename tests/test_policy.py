@@ -123,3 +123,30 @@ def test_optimizer_step_changes_weights(megatron_world, tiny_model_path):
     assert applied and grad_norm > 0
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before)
+
+
+def test_offload_releases_the_training_state_and_onload_restores_it_bitwise(megatron_world, tiny_model_path):
+    """On CPU too: grads and the optimizer's moments (and with ``params`` the weights) lose their storage
+    while the engine runs, so whatever reads them then (a save) fails loudly, and come back bitwise."""
+    policy = _policy(tiny_model_path)
+    ids = torch.randint(0, 290, (2, 8))
+
+    def loss_fn(mb, logits):
+        lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:])
+        return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
+
+    policy.zero_grad_buffers()
+    policy.forward_backward([{"input_ids": ids}], loss_fn, forward_only=False)
+    policy.optimizer_step(0)
+    moments = policy._offloadable(params=False)
+    assert moments, "Adam's moments after a step"
+    before = [t.clone() for t in moments]
+    weights = {k: v.clone() for k, v in policy.export_hf()}
+    policy.offload(params=True)
+    assert policy.offloaded and all(t.untyped_storage().nbytes() == 0 for t in moments)
+    assert all(p.untyped_storage().nbytes() == 0 for p in policy.model.parameters())
+    policy.offload(params=True)  # twice: a second round of dynamic sampling
+    policy.onload()
+    assert not policy.offloaded and all(torch.equal(a, b) for a, b in zip(moments, before, strict=True))
+    assert all(torch.equal(v, weights[k]) for k, v in policy.export_hf())
+    assert all(float(b.grad_data.abs().sum()) == 0 for b in policy.model.buffers)  # grads come back zeroed

@@ -63,6 +63,7 @@ class MegatronPolicy(torch.nn.Module):
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.settings = optimizer
         self.offloaded = False
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU offload: (tensor, its copy)
         self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
         with megatron_cpu_context():
             model_parallel_manual_seed(seed)
@@ -151,29 +152,60 @@ class MegatronPolicy(torch.nn.Module):
 
     # ------------------------------------------------------------------ colocation
     def offload(self, params: bool = False) -> None:
-        """Free this rank's GPU memory for training state while the rollout engine runs.
+        """Free this rank's memory for training state while the rollout engine runs.
 
-        Gradient buffers and optimizer state (and with ``params`` the parameter buffers) move to host
-        memory through Megatron-Core's RL helpers. On CPU there is no device memory to free: no-op.
+        Gradient buffers are released and optimizer state (and with ``params`` the parameter buffers)
+        moves to host memory. On a GPU through Megatron-Core's RL helpers; on CPU into host copies, with
+        the same effect on the tensors (their storage is released until :meth:`onload`), so that the
+        suite exercises what reads the state while it is away.
         """
-        if not torch.cuda.is_available() or self.optimizer is None or self.offloaded:
+        if self.optimizer is None or self.offloaded:
             return
-        torch.cuda.synchronize()
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            buffer.offload_to_cpu(move_params=params, move_grads=True)
-        self.optimizer.offload_to_cpu()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+                buffer.offload_to_cpu(move_params=params, move_grads=True)
+            self.optimizer.offload_to_cpu()
+            torch.cuda.empty_cache()
+        else:
+            self._host = [(t, t.detach().clone()) for t in self._offloadable(params)]
+            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+                buffer.offload_to_cpu(move_params=False, move_grads=True)  # released, zeroed on return
+            for tensor, _ in self._host:
+                tensor.untyped_storage().resize_(0)
         self.offloaded = True
 
     def onload(self) -> None:
-        """Undo :meth:`offload` before training."""
+        """Undo :meth:`offload` before training (or before anything reads the training state: a save)."""
         if not self.offloaded:
             return
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             buffer.reload_from_cpu(move_params=True, move_grads=True)
-        self.optimizer.restore_from_cpu()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            self.optimizer.restore_from_cpu()
+            torch.cuda.synchronize()
+        else:
+            for tensor, copy in self._host:
+                tensor.untyped_storage().resize_(copy.untyped_storage().nbytes())
+                tensor.copy_(copy)
+            self._host = []
         self.offloaded = False
+
+    def _offloadable(self, params: bool) -> list[torch.Tensor]:
+        """The optimizer's state tensors (and the parameter buffers), each storage once."""
+        seen, out = set(), []
+        buffers = [b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+        tensors = [] if not params else [b for b in buffers if b is not None] or [p.data for p in self.model.parameters()]
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            for state in (inner.state.values() if inner is not None else []):
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen and t.untyped_storage().nbytes() > 0:
+                seen.add(key)
+                out.append(t)
+        return out
 
     # ------------------------------------------------------------------ weights
     def local_module(self) -> torch.nn.Module:
