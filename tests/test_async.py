@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, read_scalars, run, yatt
+from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.placement import Disaggregated
 from yatt_lightning.placement.weight_channel import layout, pack, unpack
 
@@ -21,12 +22,12 @@ SCRIPT = REPO / "tests" / "scripts" / "async_fit.py"
 # ---------------------------------------------------------------------------------------------- pure
 def test_the_layout_and_its_keys_are_checked_naming_the_key():
     placement = Disaggregated()
-    placement.check(4, 1, 1)
+    placement.check(Layout(4, 1, 1))
     assert (placement.trainers, placement.rollout) == ([0, 1], [2, 3])
     assert placement.serves(2) == [0] and placement.serves(3) == [1]
     assert [placement.source(t) for t in (0, 1)] == [2, 3]
     one = Disaggregated(rollout_ranks=[3])
-    one.check(4, 1, 1)
+    one.check(Layout(4, 1, 1))
     assert one.trainers == [0, 1, 2] and one.serves(3) == [0, 1, 2]
     cases = [
         (dict(max_staleness=-1), "max_staleness"),
@@ -40,11 +41,11 @@ def test_the_layout_and_its_keys_are_checked_naming_the_key():
         with pytest.raises(ValueError, match=key):
             Disaggregated(**kwargs)
     with pytest.raises(ValueError, match="rollout_ranks.*last ranks"):
-        Disaggregated(rollout_ranks=[0]).check(2, 1, 1)
+        Disaggregated(rollout_ranks=[0]).check(Layout(2, 1, 1))
     with pytest.raises(ValueError, match="rollout_ranks.*must divide"):
-        Disaggregated(rollout_ranks=[1, 2]).check(3, 1, 1)
+        Disaggregated(rollout_ranks=[1, 2]).check(Layout(3, 1, 1))
     with pytest.raises(ValueError, match="does not divide the 1 trainer"):
-        Disaggregated().check(2, 2, 1)
+        Disaggregated().check(Layout(2, 2, 1))
 
 
 def test_weights_travel_in_buckets_and_come_back_bitwise():

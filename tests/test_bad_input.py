@@ -61,6 +61,9 @@ CONFIG_CASES = {
     "watchdog after the collective's timeout": Case(
         ["--trainer.strategy.watchdog_minutes", "45"],
         r"`trainer.strategy.watchdog_minutes` \(45.0\) must be > 0 and below `timeout_minutes` \(30.0\)"),
+    "a placement the layout cannot serve": Case(  # checked with the one layout in preflight, before any process group
+        ["--trainer.strategy.placement", "yatt_lightning.placement.Disaggregated"],
+        r"`trainer.strategy.placement`: Disaggregated needs at least 2 processes"),
     "a mistyped trainer key": Case(["--trainer.max_stesp", "3"],
                                    r"unknown key `trainer.max_stesp`; did you mean `trainer.max_steps`\?"),
     "a mistyped top-level key": Case(["--seed_everyting", "3"],

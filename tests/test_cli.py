@@ -54,7 +54,8 @@ def test_every_shipped_config_builds_its_objects_on_cpu(config, tmp_path, monkey
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"what is {i}+1?", "answer": str(i + 1)}) + "\n"
                                                  for i in range(512)))  # fmt: skip
     text = re.sub(r"/data/[\w.-]+\.jsonl", str(tmp_path / "rows.jsonl"), text)
-    (tmp_path / "my_rewards.py").write_text("def count_answer(prompt, completion, **row):\n    return 0.0\n")
+    text = text.replace("my_rewards.", "shipped_config_rewards.")  # the user's file a config names (another test has a my_rewards)
+    (tmp_path / "shipped_config_rewards.py").write_text("def count_answer(prompt, completion, **row):\n    return 0.0\n")
     (tmp_path / "config.yaml").write_text(text)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.placement import FullColocation, PartialColocation
 from yatt_lightning.rewards import (
     GenerativeRewardModel,
@@ -159,30 +160,30 @@ def test_reward_model_scores_with_its_value_head(tmp_path, tiny_model_path):
 
 def test_partial_colocation_roles_and_judge_batch():
     placement = PartialColocation()
-    placement.check(4, 1, 1)
+    placement.check(Layout(4, 1, 1))
     pairing = placement.pairing
     assert (pairing.rollout, pairing.judge) == ([0, 1], [2, 3])
     assert [pairing.partner_rollout(r) for r in (2, 3)] == [0, 1]
     # 8 prompts x 4 samples per rank: judge 2 receives its own 32 samples and rank 0's 32; a quarter is 16.
     assert pairing.judge_batch(2, n_prompts=8, n_samples=4) == 16
     uneven = PartialColocation(rollout_ranks=[0])
-    uneven.check(3, 1, 1)
+    uneven.check(Layout(3, 1, 1))
     assert uneven.pairing.partner_judges(0) == [1, 2]
     assert uneven.pairing.judge_batch(1, n_prompts=8, n_samples=4) == 12  # (8 x 4 x 3 samples) / 2 judges / 4
     # A judge rank's own groups go to it; rank 0's own groups alternate between its judges.
     turns = iter([1, 2, 1, 2])
     assert [uneven.pairing.judge_for(owner, turns) for owner in (2, 0, 1, 0, 2, 0)] == [2, 1, 1, 2, 2, 1]
     five = PartialColocation(min_judge_batch=5)
-    five.check(2, 1, 1)
+    five.check(Layout(2, 1, 1))
     assert five.pairing.judge_batch(1, 8, 4) == 5
     with pytest.raises(ValueError, match="min_judge_batch"):
         PartialColocation(min_judge_batch=0)
     with pytest.raises(ValueError, match="rollout_ranks"):
-        PartialColocation(rollout_ranks=[0, 1]).check(2, 1, 1)
+        PartialColocation(rollout_ranks=[0, 1]).check(Layout(2, 1, 1))
     with pytest.raises(ValueError, match="needs a judge rank of its own"):  # rank 1 would have no judge
-        PartialColocation(rollout_ranks=[0, 1]).check(3, 1, 1)
+        PartialColocation(rollout_ranks=[0, 1]).check(Layout(3, 1, 1))
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
-        PartialColocation().check(2, 2, 1)
+        PartialColocation().check(Layout(2, 2, 1))
 
 
 class _RecordingEngine:

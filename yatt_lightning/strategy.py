@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from yatt_lightning.distributed import failures, training_world
+from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.distributed.watchdog import Watchdog
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
@@ -96,13 +97,13 @@ class MegatronStrategy(DDPStrategy):
             engine = VLLMEngine()
         self.engine = engine
         self.controller = controller if controller is not None else ParallelController()
-        self.controller.check_layout(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.placement = placement if placement is not None else FullColocation()
         if isinstance(self.placement, PartialColocation) and not isinstance(self.controller, ParallelController):
             raise ValueError(
                 "`trainer.strategy.placement`: PartialColocation moves data itself; keep the ParallelController."
             )
         self.offload_params = offload_params
+        self.layout: Layout | None = None  # set by check_layout, once the number of processes is known
         self.watchdog_minutes = watchdog_minutes
         self.watchdog: Watchdog | None = None
         self._engine_started = False
@@ -132,17 +133,25 @@ class MegatronStrategy(DDPStrategy):
         if self.watchdog is not None:
             self.watchdog.enter(stage, step)
 
+    def check_layout(self, world: int) -> Layout:
+        """The run's layout for ``world`` processes, checked by the controller and the placement (preflight
+        calls this before any process group or engine; a run started from Python, on setting up)."""
+        layout = Layout(world, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        if layout != self.layout:
+            self.controller.check_layout(layout)
+            self.placement.check(layout)
+            train = self.placement.training_world(world)
+            layout.check_divides(train, "processes (`trainer.devices` x `trainer.num_nodes`)" if train == world
+                                 else f"trainer ranks of {type(self.placement).__name__}")  # fmt: skip
+            self.layout = layout
+        return layout
+
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
 
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        self.placement.check(self.world_size, tp, pp)
+        layout = self.check_layout(self.world_size)
+        tp, pp = layout.tp, layout.pp
         world = self.placement.training_world(self.world_size)  # the ranks that train (disaggregated: some)
-        if world % (tp * pp):
-            raise ValueError(
-                f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
-                f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
-            )
         if ps.model_parallel_is_initialized():  # a second fit/validate re-enters setup
             if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
                 raise RuntimeError(
@@ -161,9 +170,13 @@ class MegatronStrategy(DDPStrategy):
             return
         log.info(
             "Megatron parallel state: world=%d tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
-            world, tp, pp, world // (tp * pp), self.global_rank, ps.get_tensor_model_parallel_rank(),
+            world, tp, pp, layout.data_parallel(world), self.global_rank, ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
         )  # fmt: skip
+
+    @property
+    def _layout(self) -> Layout:
+        return self.layout or Layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
 
     @property
     def role(self) -> str:
@@ -179,12 +192,11 @@ class MegatronStrategy(DDPStrategy):
     @property
     def is_model_parallel_head(self) -> bool:
         """True on the first rank of this rank's model-parallel (TP x PP) group: the one that talks to engines."""
-        return self.global_rank % (self.tensor_model_parallel_size * self.pipeline_model_parallel_size) == 0
+        return self.global_rank % self._layout.model_parallel == 0
 
     @property
     def data_parallel_size(self) -> int:
-        world = self.placement.training_world(self.world_size)
-        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self._layout.data_parallel(self.placement.training_world(self.world_size))
 
     @property
     @override
@@ -213,8 +225,7 @@ class MegatronStrategy(DDPStrategy):
                     "(RLHFModule does; a custom LightningModule must call strategy.rollout.configure)."
                 )
             t0 = time.perf_counter()
-            tp_pp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-            start = EngineStart(self.engine, tp_pp, self.controller.engine_batch_scale())
+            start = EngineStart(self.engine, self._layout.model_parallel, self.controller.engine_batch_scale())
             self.placement.start_engines(self.rollout.setup, start)
             log.info("rank %d: engines started in %.1fs", self.global_rank, time.perf_counter() - t0)
             self._engine_started = True

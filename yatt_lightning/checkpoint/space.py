@@ -71,7 +71,8 @@ def before_save(strategy, dirpath: Path, name: str, on_no_space: str) -> tuple[i
     from yatt_lightning.checkpoint.folder import hf_files
 
     module = strategy.lightning_module
-    mp = getattr(strategy, "tensor_model_parallel_size", 1) * getattr(strategy, "pipeline_model_parallel_size", 1)
+    layout = getattr(strategy, "layout", None)
+    mp = layout.model_parallel if layout is not None else 1
 
     def estimate() -> int:
         params = [p for m in (module.policy, getattr(module, "critic_model", None)) if m is not None for p in m.parameters()]

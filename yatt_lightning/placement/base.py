@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import psutil
 import torch
 
+from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.rewards.base import RewardFunction
 from yatt_lightning.rewards.genrm import GenerativeRewardModel
 from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
@@ -20,8 +21,8 @@ class Placement:
 
     controller = None  # who talks to engines (handed over by the strategy)
 
-    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
-        """Raise a ValueError naming the key if this placement cannot serve the layout."""
+    def check(self, layout: Layout) -> None:
+        """Raise a ValueError naming the key if this placement cannot serve the layout (in preflight)."""
 
     def roles(self, world: int) -> list[list[int]]:
         """The groups of ranks whose steps run together (one: every rank does every stage)."""

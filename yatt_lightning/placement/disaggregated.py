@@ -131,7 +131,8 @@ class Disaggregated(Placement):
         self.idle_at_safe_point = 0.0  # rollout rank: seconds waited for decisions, counted in the next step's idle
 
     # ------------------------------------------------------------------ layout
-    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
+    def check(self, layout) -> None:
+        world = layout.world
         if world < 2:
             raise ValueError("`trainer.strategy.placement`: Disaggregated needs at least 2 processes (`trainer.devices`).")
         rollout = sorted(self.rollout_ranks or list(range(world - world // 2, world)))
@@ -141,7 +142,7 @@ class Disaggregated(Placement):
                 f"`trainer.strategy.placement.rollout_ranks` {rollout}: name the last ranks, leaving at least one "
                 f"trainer (of {world} processes); e.g. [{world - 1}]."
             )
-        model_parallel = tensor_parallel * pipeline_parallel
+        model_parallel = layout.model_parallel
         if len(trainers) % model_parallel:
             raise ValueError(
                 f"`trainer.strategy.tensor_model_parallel_size` x `pipeline_model_parallel_size` = {model_parallel} "

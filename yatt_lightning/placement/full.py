@@ -17,8 +17,8 @@ from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest
 class FullColocation(Placement):
     """Rollout, GenRM and training in series, each on every rank."""
 
-    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
-        self.model_parallel = tensor_parallel * pipeline_parallel
+    def check(self, layout) -> None:
+        self.model_parallel = layout.model_parallel
 
     def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
         policy_engine.start(setup.engine)

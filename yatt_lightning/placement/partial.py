@@ -45,12 +45,13 @@ class PartialColocation(Placement):
         self.tokenizer = None  # and the judges: what generate needs of the setup, kept at start_engines
         self.reward_functions: list = []
 
-    def check(self, world: int, tensor_parallel: int, pipeline_parallel: int) -> None:
+    def check(self, layout) -> None:
+        world = layout.world
         if world < 2:
             raise ValueError(
                 "`trainer.strategy.placement`: PartialColocation needs at least 2 processes (`trainer.devices`)."
             )
-        if tensor_parallel * pipeline_parallel != 1:
+        if layout.model_parallel != 1:
             raise ValueError(
                 "`trainer.strategy.placement`: PartialColocation supports data parallelism only; set "
                 "tensor_model_parallel_size and pipeline_model_parallel_size to 1."

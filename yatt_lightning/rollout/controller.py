@@ -28,6 +28,7 @@ from yatt_lightning.datamodules.images import images_of
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.collectives import gather_objects, scatter_objects
 from yatt_lightning.distributed.failures import fail_together
+from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.rollout.base import Completion
 from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.types import RolloutRequest, Scores
@@ -60,8 +61,8 @@ class Controller:
 
     group = None
 
-    def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
-        """Raise a ValueError naming the key if this controller cannot serve the layout."""
+    def check_layout(self, layout: Layout) -> None:
+        """Raise a ValueError naming the key if this controller cannot serve the layout (in preflight)."""
 
     @property
     def loads_on_driver(self) -> bool:
@@ -148,8 +149,8 @@ class SingleController(Controller):
         self._loaded: list[list[dict]] | None = None  # on the driver: every rank's rows of the step, as loaded
         self._held: list[tuple[list[dict], list, list]] | None = None  # on the driver: rows, prompt ids, groups
 
-    def check_layout(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
-        if tensor_model_parallel_size * pipeline_model_parallel_size != 1:
+    def check_layout(self, layout: Layout) -> None:
+        if layout.model_parallel != 1:
             raise ValueError(
                 "`trainer.strategy.controller`: SingleController supports data parallelism only; set "
                 "tensor_model_parallel_size and pipeline_model_parallel_size to 1, or use ParallelController."

@@ -59,15 +59,11 @@ def check_writable(trainer) -> None:
 
 
 def check_layout(arch: HFArch, strategy, trainer) -> None:
-    """The parallel layout can split the model and the processes."""
-    tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
-    arch.check_parallel(tp, pp)
-    world = trainer.num_devices * trainer.num_nodes
-    if world % (tp * pp):
-        raise ValueError(
-            f"`trainer.strategy.tensor_model_parallel_size` ({tp}) x `pipeline_model_parallel_size` ({pp}) = {tp * pp} "
-            f"does not divide the {world} processes (`trainer.devices` x `trainer.num_nodes`)."
-        )
+    """The run's one layout (:class:`~yatt_lightning.distributed.layout.Layout`), checked by the model's
+    shapes, the strategy's controller and its placement."""
+    if hasattr(strategy, "check_layout"):
+        arch.check_parallel(strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size)
+        strategy.check_layout(trainer.num_devices * trainer.num_nodes)
 
 
 def check_weights(path: Path) -> None:
@@ -116,8 +112,8 @@ def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
     as the step will) within the limit."""
     rows = datamodule.load_rows()
     strategy = trainer.strategy
-    model_parallel = strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size
-    replicas = max(trainer.num_devices * trainer.num_nodes // model_parallel, 1)
+    layout = getattr(strategy, "layout", None)  # checked above (check_layout)
+    replicas = max(layout.data_parallel() if layout is not None else 1, 1)
     if len(rows) < replicas * datamodule.batch_size:
         source = datamodule.path or type(datamodule.task).__name__
         raise ValueError(
