@@ -107,9 +107,8 @@ def test_token_level_loss_aggregation_matches_a_plain_torch_reference(megatron_w
     torch.testing.assert_close(megatron_grad, hf_model.lm_head.weight.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_optimizer_step_changes_weights(megatron_world, tiny_model_path):
-    policy = _policy(tiny_model_path)
-    before = {k: v.clone() for k, v in policy.export_hf()}
+def _train_one_step(policy) -> tuple[bool, float]:
+    """One optimizer step of next-token likelihood on random ids."""
     ids = torch.randint(0, 290, (2, 8))
 
     def loss_fn(mb, logits):
@@ -118,7 +117,13 @@ def test_optimizer_step_changes_weights(megatron_world, tiny_model_path):
 
     policy.zero_grad_buffers()
     policy.forward_backward([{"input_ids": ids}], loss_fn, forward_only=False)
-    applied, grad_norm = policy.optimizer_step(0)
+    return policy.optimizer_step(0)
+
+
+def test_optimizer_step_changes_weights(megatron_world, tiny_model_path):
+    policy = _policy(tiny_model_path)
+    before = {k: v.clone() for k, v in policy.export_hf()}
+    applied, grad_norm = _train_one_step(policy)
     after = dict(policy.export_hf())
     assert applied and grad_norm > 0
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -129,15 +134,7 @@ def test_offload_releases_the_training_state_and_onload_restores_it_bitwise(mega
     """On CPU too: grads and the optimizer's moments (and with ``params`` the weights) lose their storage
     while the engine runs, so whatever reads them then (a save) fails loudly, and come back bitwise."""
     policy = _policy(tiny_model_path)
-    ids = torch.randint(0, 290, (2, 8))
-
-    def loss_fn(mb, logits):
-        lp = token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:])
-        return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
-
-    policy.zero_grad_buffers()
-    policy.forward_backward([{"input_ids": ids}], loss_fn, forward_only=False)
-    policy.optimizer_step(0)
+    _train_one_step(policy)
     moments = policy._offloadable(params=False)
     assert moments, "Adam's moments after a step"
     before = [t.clone() for t in moments]

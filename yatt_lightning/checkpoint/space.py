@@ -42,7 +42,10 @@ def checkpoint_bytes(folder: Path) -> int | None:
     manifest = read_manifest(folder)
     if manifest is None or not isinstance(manifest.get("files"), dict):
         return None
-    return sum(int(entry.get("size", 0)) for entry in manifest["files"].values())
+    try:
+        return sum(int(entry["size"]) for entry in manifest["files"].values())
+    except (KeyError, TypeError, ValueError):  # a manifest of another format: the estimate serves
+        return None
 
 
 def estimate_bytes(parameters, model_parallel: int, extra_files: list[Path] = ()) -> int:
