@@ -133,10 +133,7 @@ class AsyncCheckpoint(Callback):
                     self._lock = lock
                 except FolderLocked as err:
                     error = err
-        if trainer.world_size > 1:
-            failures.agree(error)  # before any engine starts: every rank stops with the holder named
-        elif error is not None:
-            raise error
+        failures.agree(error)  # before any engine starts: every rank stops with the holder named
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
@@ -332,10 +329,7 @@ class AsyncCheckpoint(Callback):
         error = None
         if trainer.is_global_zero:
             self._needed, error = space.before_save(trainer.strategy, self.dirpath, final.name, self.on_no_space)
-        if trainer.world_size > 1:
-            failures.agree(error)
-        elif error is not None:
-            raise error
+        failures.agree(error)  # on one process, the error itself
 
     def _no_space_is_one_screen(self, trainer, final: Path):
         return space.one_screen(self.dirpath, final, self._needed, remove_tmp=trainer.is_global_zero)

@@ -51,8 +51,8 @@ class MegatronStrategy(DDPStrategy):
             :class:`~yatt_lightning.rollout.controller.SingleController` routes everything through rank 0).
         placement: Where the rollout engine and a generative reward model run
             (:class:`~yatt_lightning.placement.FullColocation` by default, or ``PartialColocation``).
-        offload_params: While the engine generates on a GPU, also move the policy's parameters to host
-            memory (gradients and optimizer state always move). Ignored on CPU.
+        offload_params: While the engine generates, also move the policy's parameters to host memory
+            (gradients and optimizer state always move; on CPU into host copies, for the same behaviour).
         timeout_minutes: Timeout of collective operations; a hung rank fails the run after this.
         watchdog_minutes: A rank that stands at one stage of its step (rollout, reward, train, ...)
             this long while a peer is still at an earlier one stops the run, naming the late rank and its

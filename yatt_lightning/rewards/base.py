@@ -95,11 +95,14 @@ class RewardFunction:
             self._caller = TimedCaller(self.timeout_s, name=f"reward:{self.name}")
         return self._caller(fn, *args, **kwargs)
 
-    def deadline_message(self, where: str = "") -> str:
-        return (
-            f"reward function {self.name} did not return within {self.timeout_s:g} s (`{self.timeout_key}`){where}; "
-            f"raise the deadline, or set `on_error: zero` to score such samples 0"
-        )
+    def failure_message(self, err: Exception, where: str = "") -> str:
+        """What the user reads when a call ``where`` (`` on <sample>``) raised ``err`` or ran past its deadline."""
+        if isinstance(err, DeadlineExceeded):
+            return (
+                f"reward function {self.name} did not return within {self.timeout_s:g} s (`{self.timeout_key}`)"
+                f"{where}; raise the deadline, or set `on_error: zero` to score such samples 0"
+            )
+        return f"reward function {self.name} raised {type(err).__name__}: {err}{where}"
 
     def __getstate__(self) -> dict:  # a worker thread does not travel (deepcopy, pickling)
         return {**self.__dict__, "_caller": None}
@@ -128,9 +131,7 @@ class RewardFunction:
         """What scoring ``n`` samples gives when it raised ``err``: a :class:`RewardError` naming this
         function (``on_error: raise``), or zeros, counted (``on_error: zero``)."""
         late = isinstance(err, DeadlineExceeded)
-        what = self.deadline_message(f" on a batch of {n} samples") if late else (
-            f"reward function {self.name} raised {type(err).__name__}: {err}"
-        )
+        what = self.failure_message(err, f" on a batch of {n} samples" if late else "")
         if self.on_error == "raise":
             raise RewardError(what) from err
         log.warning("%s; scoring the batch 0", what)
@@ -242,10 +243,7 @@ class RuleReward(RewardFunction):
                 scores.append(self.timed(self.fn, prompt, completion, **public_fields(row)))
             except Exception as err:
                 timed_out = isinstance(err, DeadlineExceeded)
-                sample = describe_sample(prompt, completion, row)
-                what = self.deadline_message(f" on {sample}") if timed_out else (
-                    f"reward function {self.name} raised {type(err).__name__}: {err} on {sample}"
-                )
+                what = self.failure_message(err, f" on {describe_sample(prompt, completion, row)}")
                 if self.on_error == "raise":
                     raise RewardError(what) from err
                 if timed_out:

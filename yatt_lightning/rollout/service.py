@@ -64,7 +64,7 @@ class RolloutService:
         engine: The policy's rollout engine (on ranks that host one).
         placement: Where engines and judges run; it generates through ``controller``.
         controller: Who talks to engines, what crosses ranks.
-        offload_params: Also move the policy's parameters off the device while the engine runs (GPU).
+        offload_params: Also move the policy's parameters off the device while the engine runs.
     """
 
     def __init__(self, engine: RolloutEngine, placement, controller, offload_params: bool = False) -> None:
@@ -144,8 +144,8 @@ class RolloutService:
             self.engine.sleep()
 
     def prepare_training(self) -> None:
-        """Before the update (and the critic's values): the training state back on the device (a no-op on
-        CPU, and when it is back already)."""
+        """Before the update, the critic's values or a save: the training state back on the device (a no-op
+        when it is back already)."""
         setup = self._require_setup()
         for model in (setup.policy, setup.critic):
             if model is not None:
