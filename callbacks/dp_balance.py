@@ -1,26 +1,33 @@
-"""DPLoadBalancer: even out the training work of data-parallel ranks before each update.
+"""DPLoadBalancer: even out the training time of data-parallel ranks before each update, where it pays.
 
 Generation lengths are long-tailed: one data-parallel (DP) rank can draw several of the longest
 responses and the others wait for it at the gradient all-reduce. Before the training phase this
-callback gathers every DP rank's sequence lengths (one integer per sequence), splits all sequences into
-DP parts with equal counts and even token sums (Karmarkar-Karp, refined, never worse than the greedy
-split; :mod:`yatt_lightning.training.partition`), and moves each sequence to its part's rank point to point.
-Every rank computes the same split from the same lengths, so there is no coordinator. Only what
-training needs travels (token ids, engine logprobs, advantages, and for image rows the images'
-references, never their pixels); each owner keeps its own rollouts for rewards and logging, so nothing has
-to come back. A sequence's length counts its image tokens (the prompt ids hold them expanded). Optionally it also caps micro-batches by tokens,
-packing each rank's sequences with the least padding (:mod:`yatt_lightning.training.packing`); then the split is
-kept only if it lowers the slowest rank's planned cost (padded tokens plus a fixed cost per micro-batch)
-below the unbalanced one's, so the exchange is skipped where it would not pay.
+callback gathers every DP rank's sequence lengths (one integer per sequence) and decides which rank
+trains which sequence (:mod:`yatt_lightning.training.balance_plan`): it predicts each rank's training
+time from a cost model (per padded token, per sequence squared for attention, per micro-batch, and the
+bytes and latency of the exchange; :mod:`yatt_lightning.training.cost_model`) fitted from this run's own
+measured steps, and moves sequences only where the predicted saving exceeds the move's cost by
+``min_saving`` of the step. Every rank computes the decision from the same gathered figures and DP rank
+0's is broadcast, so there is no coordinator and no rank can disagree. Moving sequences point to point
+carries only what training needs (token ids, engine logprobs, advantages, and for image rows the images'
+references, never their pixels); each owner keeps its own rollouts for rewards and logging, so nothing
+has to come back. A sequence's length counts its image tokens (the prompt ids hold them expanded).
 
-Each step's ``balance/imbalance_before``, ``balance/imbalance_after`` (max over mean tokens per rank)
-and ``balance/bytes_received`` are logged with the step's metrics. With one DP rank it does nothing.
+What the model learns from: after each update, each rank's compute seconds (the update's wall time less
+the time it waited in the gradient synchronisation, ``MegatronPolicy.grad_sync_seconds``) plus the
+exchange's seconds, against the work it trained; the figures travel with the next step's lengths.
+
+Each step's ``balance/imbalance_before``, ``balance/imbalance_after`` (max over mean tokens per rank),
+``balance/bytes_received``, ``balance/moved`` (sequences), ``balance/predicted_saving`` (seconds of the
+slowest rank the split was predicted to save) and ``balance/model_error`` (the fit's rms error, seconds)
+are logged with the step's metrics. With one DP rank it does nothing.
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+import time
+from dataclasses import astuple, dataclass
 
 import torch
 from lightning.pytorch import Callback
@@ -29,9 +36,9 @@ from typing_extensions import override
 from yatt_lightning.algorithms.advantage import Advantages
 from yatt_lightning.distributed.collectives import exchange_tensors
 from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.training.balance_plan import DECIDE_BY, Planner, choose_parts
 from yatt_lightning.training.batch import TrainingBatch
-from yatt_lightning.training.packing import pack_by_tokens, packed_cost
-from yatt_lightning.training.partition import balanced_partition
+from yatt_lightning.training.cost_model import TrainCostModel, Work
 
 
 @dataclass(frozen=True)
@@ -47,16 +54,24 @@ class DPLoadBalancer(Callback):
     max_tokens_per_micro_batch: Cap on a micro-batch's padded tokens (samples x longest sequence);
         ``None`` keeps ``model.micro_batch_size`` samples per micro-batch.
     micro_batch_overhead_tokens: The fixed cost of one more micro-batch, in tokens of compute: the packer
-        splits a micro-batch where the padding saved exceeds it. 256 is what one micro-batch of the tiny
-        model costs on a CPU core (bench/RESULTS.md, dp_balance); large models on GPUs, where small
-        micro-batches waste the device, want more.
-    enabled: Rebalance at all (``False`` only measures and logs the imbalance).
+        splits a micro-batch where the padding saved exceeds it, and the cost model starts from it before
+        it has measured a step. 256 is what one micro-batch of the tiny model costs on a CPU core
+        (bench/RESULTS.md, dp_balance); large models on GPUs, where small micro-batches waste the
+        device, want more.
+    decide_by: ``cost`` (predicted time, learned from the run's steps) or ``tokens`` (the evenest split of
+        token counts wherever it lowers the slowest rank's padded tokens: independent of timings, so a
+        run is reproducible bit for bit, but it may make a step slower where micro-batches or the
+        exchange dominate).
+    min_saving: The share of the step a move must be predicted to save beyond its own cost.
+    enabled: Rebalance at all (``False`` only measures, learns and logs the imbalance).
     """
 
     def __init__(
         self,
         max_tokens_per_micro_batch: int | None = None,
         micro_batch_overhead_tokens: int = 256,
+        decide_by: str = "cost",
+        min_saving: float = 0.02,
         enabled: bool = True,
     ) -> None:
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
@@ -67,14 +82,28 @@ class DPLoadBalancer(Callback):
             raise ValueError(
                 f"`DPLoadBalancer.micro_batch_overhead_tokens` must be >= 0, got {micro_batch_overhead_tokens}."
             )
+        if decide_by not in DECIDE_BY:
+            raise ValueError(f"`DPLoadBalancer.decide_by` must be one of {', '.join(DECIDE_BY)}, got {decide_by!r}.")
+        if not 0 <= min_saving < 1:
+            raise ValueError(f"`DPLoadBalancer.min_saving` must be in [0, 1), got {min_saving}.")
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.micro_batch_overhead_tokens = micro_batch_overhead_tokens
+        self.decide_by = decide_by
+        self.min_saving = min_saving
         self.enabled = enabled
+        self.model = TrainCostModel(micro_batch_overhead_tokens)
+        self._last: tuple[Work, float] | None = None  # this rank's last step, until the next gather
+        self._exchange: tuple[Work, float] = (Work(0.0, 0.0, 0.0), 0.0)  # this step's exchange and its seconds
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if getattr(trainer.strategy, "data_parallel_size", 1) > 1 or self.max_tokens_per_micro_batch:
             pl_module.balancer = self
+
+    def measured(self, work: Work, compute_seconds: float) -> None:
+        """This rank's trained work and compute seconds for the step just updated (the update reports it)."""
+        exchange_work, exchange_s = self._exchange
+        self._last = (work + exchange_work, compute_seconds + exchange_s)
 
     def rebalance(self, module, batch: TrainingBatch) -> Rebalanced:
         """This rank's share of the step's sequences after balancing (collective over the DP group). Only
@@ -82,6 +111,7 @@ class DPLoadBalancer(Callback):
         computes old or reference logprobs, so there are none to move)."""
         from megatron.core import parallel_state as ps
 
+        self._exchange = (Work(0.0, 0.0, 0.0), 0.0)
         dp = module.trainer.strategy.data_parallel_size
         if dp == 1:
             return Rebalanced(batch, {})
@@ -90,43 +120,50 @@ class DPLoadBalancer(Callback):
         rollouts = batch.rollouts
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
-        mine = torch.tensor(rollouts.sequence_lengths(), dtype=torch.long)
+        last = [*astuple(self._last[0]), self._last[1]] if self._last is not None else [0.0] * 6
+        n = len(rollouts)
+        mine = torch.tensor([*rollouts.sequence_lengths(), *self._bytes(batch), *last], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(dp)]
         torch.distributed.all_gather(every, mine, group=group)  # equal counts per rank: same shapes
-        weights = torch.cat(every).tolist()
-        n = len(mine)
-        per_rank_before = [float(t.sum()) for t in every]
-        unmoved = [list(range(r * n, (r + 1) * n)) for r in range(dp)]
-        parts = balanced_partition(weights, dp) if self.enabled else unmoved
-        if self.enabled and self._planned_cost(weights, unmoved) <= self._planned_cost(weights, parts):
-            parts = unmoved  # the split would not shorten the slowest rank's plan: keep the rows, skip the exchange
-        per_rank_after = [float(sum(weights[i] for i in p)) for p in parts]
+        for figures in every:  # every rank learns the same from the same figures
+            *work, seconds = figures[2 * n :].tolist()
+            self.model.observe(Work(*work), seconds)
+        lengths = [int(x) for t in every for x in t[:n].tolist()]
+        planner = Planner(self.max_tokens_per_micro_batch, self.micro_batch_overhead_tokens,
+                          module.micro_batch_size, module.ppo_epochs)  # fmt: skip
+        choice = choose_parts(lengths, dp, self.model, planner, [x for t in every for x in t[n : 2 * n].tolist()],
+                              decide_by=self.decide_by, min_saving=self.min_saving)  # fmt: skip
+        moves = torch.tensor([int(choice.moves and self.enabled)], dtype=torch.long)
+        torch.distributed.broadcast(moves, group_src=0, group=group)  # rank 0's decision stands for all
+        parts = choice.parts if moves.item() else [list(range(r * n, (r + 1) * n)) for r in range(dp)]
+        per_rank_before = [float(t[:n].sum()) for t in every]
+        per_rank_after = [float(sum(lengths[i] for i in p)) for p in parts]
         metrics = {
             "balance/imbalance_before": max(per_rank_before) / (sum(per_rank_before) / dp),
             "balance/imbalance_after": max(per_rank_after) / (sum(per_rank_after) / dp),
             "balance/bytes_received": 0.0,
+            "balance/moved": float(choice.moved if moves.item() else 0),
+            "balance/predicted_saving": choice.predicted_unmoved - choice.predicted if moves.item() else 0.0,
+            "balance/model_error": self.model.rms_error if self.model.fitted else 0.0,
         }
-        if parts is unmoved:
+        if not moves.item():
             return Rebalanced(batch, metrics)
+        start = time.perf_counter()
         mine_ids = range(me * n, (me + 1) * n)
         outgoing = [self._pack(batch, [i - me * n for i in sorted(p) if i in mine_ids], me * n) for p in parts]
         received, nbytes = exchange_tensors(outgoing, group=group)
         metrics["balance/bytes_received"] = float(nbytes)
+        self._exchange = (Work(0.0, 0.0, 0.0, float(nbytes), 1.0), time.perf_counter() - start)
         return Rebalanced(self._unpack(received), metrics)
 
-    def _planned_cost(self, weights: list[int], parts: list[list[int]]) -> tuple[float, float]:
-        """The slowest rank's packed cost under ``parts`` (0 when micro-batches are not capped by tokens),
-        then its token sum (the tie-breaker)."""
-        tokens = max(sum(weights[i] for i in p) for p in parts)
-        if not self.max_tokens_per_micro_batch:
-            return (0.0, tokens)
-        overhead = self.micro_batch_overhead_tokens
-        costs = []
-        for p in parts:
-            lengths = [weights[i] for i in p]
-            plan = pack_by_tokens(lengths, self.max_tokens_per_micro_batch, overhead)
-            costs.append(packed_cost(lengths, plan, overhead))
-        return (max(costs), tokens)
+    @staticmethod
+    def _bytes(batch: TrainingBatch) -> list[float]:
+        """What each sequence weighs on the wire (as :meth:`_pack` sends it): its ids (8 bytes a token), its
+        engine logprobs and per-token advantage fields (4 bytes a completion token each), its scalars."""
+        rollouts, advantages = batch.rollouts, batch.advantages
+        fields = 1 + sum(getattr(advantages, key) is not None for key in _PER_TOKEN)
+        return [8.0 * (len(p) + len(c)) + 4.0 * fields * len(c) + 48.0
+                for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)]  # fmt: skip
 
     @staticmethod
     def _pack(batch: TrainingBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -96,6 +97,23 @@ class MegatronPolicy(torch.nn.Module):
                 self.optimizer = None
             else:
                 self.model, self.optimizer = _wrap_for_training(gpt, self.config, optimizer)
+                self.config.finalize_model_grads_func = self._timed(self.config.finalize_model_grads_func)
+        # Seconds spent in the schedules' gradient synchronisation (waiting for the data-parallel peers and
+        # the all-reduce), summed over this policy's life: a step's compute time is its wall time less the
+        # change of this counter (the load balancer's cost model learns from that).
+        self.grad_sync_seconds = 0.0
+
+    def _timed(self, finalize: Callable) -> Callable:
+        def timed_finalize(*args, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the compute launched before the sync belongs to the compute time
+            start = time.perf_counter()
+            try:
+                return finalize(*args, **kwargs)
+            finally:
+                self.grad_sync_seconds += time.perf_counter() - start
+
+        return timed_finalize
 
     # ------------------------------------------------------------------ running micro-batches
     def forward_backward(

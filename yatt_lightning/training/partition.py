@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections.abc import Iterator
 
 
 def balanced_partition(weights: list[float], k: int, max_swaps: int = 200) -> list[list[int]]:
@@ -29,6 +30,15 @@ def balanced_partition(weights: list[float], k: int, max_swaps: int = 200) -> li
 
 
 def _refine_by_swaps(weights: list[float], parts: list[list[int]], max_swaps: int) -> list[list[int]]:
+    path = [parts, *swap_path(weights, parts, max_swaps)]
+    return sorted((sorted(p) for p in path[-1]), key=lambda p: p[0])
+
+
+def swap_path(weights: list[float], parts: list[list[int]], max_swaps: int = 200) -> Iterator[list[list[int]]]:
+    """The parts after each swap that lowers the heaviest part's sum (one item of the heaviest part for a
+    lighter item of another, the pair that lowers it most), up to ``max_swaps`` swaps or until none does.
+    Part ``j`` stays part ``j`` (the load balancer's part ``j`` is rank ``j``: a path from the ranks'
+    own rows moves few of them)."""
     parts = [list(p) for p in parts]
     sums = [sum(weights[i] for i in p) for p in parts]
     for _ in range(max_swaps):
@@ -51,14 +61,14 @@ def _refine_by_swaps(weights: list[float], parts: list[list[int]], max_swaps: in
                             if best is None or new_max < best[0]:
                                 best = (new_max, o, i, lighter[q])
         if best is None:
-            break
+            return
         _, o, i, j = best
         parts[h][parts[h].index(i)] = j
         parts[o][parts[o].index(j)] = i
         d = weights[i] - weights[j]
         sums[h] -= d
         sums[o] += d
-    return sorted((sorted(p) for p in parts), key=lambda p: p[0])
+        yield [list(p) for p in parts]
 
 
 def _spread(weights, parts) -> tuple[float, float]:

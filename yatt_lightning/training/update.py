@@ -4,6 +4,7 @@ hooks: override them on a subclass of ``RLHFModule``); it reads the module's con
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -20,6 +21,7 @@ from yatt_lightning.models.logprobs import (
 )  # fmt: skip
 from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices
 from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.cost_model import Work, microbatch_work
 from yatt_lightning.training.critic import CRITIC_METRICS, sample_values
 from yatt_lightning.training.step_metrics import reduce_token_metrics
 
@@ -64,6 +66,7 @@ class PolicyUpdate:
                 rebalanced = self.balancer.rebalance(self, batch)
             batch, figures = rebalanced.batch, rebalanced.metrics
         everything = list(range(len(batch)))
+        started, synced, trained = time.perf_counter(), self._grad_sync_seconds(), Work(0.0, 0.0, 0.0)
         old = ref = None
         if self.ppo_epochs * len(mini_batch_slices(len(batch), self.mini_batches)) > 1:
             # More than one optimizer step per rollout batch: later ones need the logprobs from before the first.
@@ -84,6 +87,7 @@ class PolicyUpdate:
             for part in mini_batch_slices(len(order), self.mini_batches):
                 optimizer.zero_grad()
                 mbs = self.microbatches(batch, order[part])
+                trained = trained + microbatch_work(mbs)
                 with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
                     outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
@@ -101,6 +105,8 @@ class PolicyUpdate:
                 if self.critic_model is not None:
                     critic_norms.append(self.critic.step(self.critic_model, mbs, step, critic_sums))
         self.partial_update = False
+        if self.balancer is not None:  # what this rank computed, without waiting for its peers
+            self.balancer.measured(trained, time.perf_counter() - started - (self._grad_sync_seconds() - synced))
         controller = self.trainer.strategy.controller
         stats = reduce_token_metrics(controller, sums, self.token_metrics)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -157,6 +163,10 @@ class PolicyUpdate:
                 "logprob_diff_max": diff,
             },
         )
+
+    def _grad_sync_seconds(self) -> float:
+        """Seconds the policy and the critic have waited in their gradient synchronisation so far."""
+        return sum(m.grad_sync_seconds for m in (self.policy, self.critic_model) if m is not None)
 
     def compute_logprobs(self, model, batch: TrainingBatch, indices: list[int]) -> list[torch.Tensor] | None:
         """Per-sample logprobs of the completion tokens under ``model`` (forward only; ``None`` on pipeline
