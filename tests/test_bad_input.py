@@ -261,6 +261,44 @@ def test_a_reward_that_never_returns_stops_the_run_within_its_deadline_naming_th
     assert "Traceback" not in out
 
 
+STUCK_ENGINE = """
+import threading
+from yatt_lightning.rollout.vllm_engine import VLLMEngine
+
+class Hung:
+    def step(self):
+        threading.Event().wait()  # a kernel, or a tensor-parallel peer, that never returns
+
+class StuckEngine(VLLMEngine):
+    steps = 0
+
+    def _step(self, engine, what):
+        self.steps += 1
+        return super()._step(Hung() if self.steps == 20 else engine, what)
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_step_that_never_returns_stops_the_run_within_its_deadline_naming_the_key(tmp_path):
+    (tmp_path / "eng.py").write_text(STUCK_ENGINE)
+    t0 = time.monotonic()
+    proc = yatt(
+        ["fit", "--config", TINY, "--trainer.max_steps", "50", "--trainer.strategy.engine.class_path", "eng.StuckEngine",
+         "--trainer.strategy.engine.step_timeout_s", "3", "--trainer.default_root_dir", str(tmp_path / "runs")],
+        cwd=tmp_path, timeout=240, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert time.monotonic() - t0 < 150
+    screen = [line for line in out.splitlines() if "engine deadline:" in line]
+    assert len(screen) == 1, out[-3000:]
+    assert re.search(r"did not return within 3 s \(`engine.step_timeout_s`\) on rank 0, while generating \d+ of \d+ "
+                     r"prompts.*Raise `engine.step_timeout_s`", screen[0]), screen[0]  # fmt: skip
+    assert "Traceback" not in out
+    log = (tmp_path / "runs" / "grpo_tiny" / "version_0" / "output.log").read_text()
+    assert re.search(r'File ".*eng\.py", line \d+ in step', log), log[-3000:]
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_a_stuck_step_stops_once_within_the_grace_period_leaving_latest(tmp_path):
     ckpts = tmp_path / "ckpts"

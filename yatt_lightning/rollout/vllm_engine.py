@@ -20,6 +20,7 @@ import torch
 
 from yatt_lightning.multimodal.image_inputs import collapse, expand
 from yatt_lightning.rollout.base import Completion, SamplingConfig
+from yatt_lightning.rollout.step_deadline import StepDeadline
 from yatt_lightning.rollout.vllm_models import engine_overrides
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class VLLMEngine:
         dtype: Weight dtype inside the engine; ``None`` uses the policy's training dtype, so the engine's
             logprobs match the trainer's.
         sleep_level: vLLM sleep level used when colocated on a GPU (1 keeps weights in host memory).
+        step_timeout_s: How long one engine step (a token for every running sequence, or a batch's
+            prefill) may take before the run stops, naming the engine and the rank
+            (:mod:`~yatt_lightning.rollout.step_deadline`); ``None``: no deadline.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         dtype: str | None = None,
         sleep_level: int = 1,
+        step_timeout_s: float | None = 600.0,
     ) -> None:
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1 << 20:
             raise ValueError(f"`engine.kv_cache_memory_bytes` must be at least 1 MiB, got {kv_cache_memory_bytes}.")
@@ -83,6 +88,10 @@ class VLLMEngine:
             raise ValueError(f"`engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}.")
         if sleep_level not in (1, 2):
             raise ValueError(f"`engine.sleep_level` must be 1 or 2, got {sleep_level}.")
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError(f"`engine.step_timeout_s` must be > 0 (or null for none), got {step_timeout_s}.")
+        self.step_timeout_s = step_timeout_s
+        self._deadline = StepDeadline(step_timeout_s, "engine.step_timeout_s") if step_timeout_s else None
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enable_prefix_caching = enable_prefix_caching
@@ -245,7 +254,7 @@ class VLLMEngine:
             pending[request_id] = i
         try:
             while pending:
-                for out in engine.step():
+                for out in self._step(engine, f"generating {len(pending)} of {len(prompts)} prompts"):
                     if out.finished and out.request_id in pending:
                         _check_prompt(out, sent.pop(out.request_id))
                         yield pending.pop(out.request_id), _completions(out)
@@ -288,7 +297,15 @@ class VLLMEngine:
 
     def poll(self) -> dict[str, str]:
         """One engine step: the texts of the requests that finished in it."""
-        return {out.request_id: out.outputs[0].text for out in self._llm().llm_engine.step() if out.finished}
+        outputs = self._step(self._llm().llm_engine, "completing a judge's or a reward model's requests")
+        return {out.request_id: out.outputs[0].text for out in outputs if out.finished}
+
+    def _step(self, engine, what: str) -> list:
+        """One step of vLLM's engine, under :attr:`step_timeout_s`."""
+        if self._deadline is None:
+            return engine.step()
+        with self._deadline.step(what):
+            return engine.step()
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
