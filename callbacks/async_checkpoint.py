@@ -286,6 +286,8 @@ class AsyncCheckpoint(Callback):
         self._check_space(trainer, final)
         rollout = getattr(trainer.strategy, "rollout", None)
         if rollout is not None and rollout.setup is not None:  # a round without an update left it offloaded
+            if getattr(getattr(trainer.lightning_module, "policy", None), "offloaded", False):
+                log.info("a round without an update left the training state offloaded: onloading it for the save")
             rollout.prepare_training()
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state["yatt_rng"] = rng_states()

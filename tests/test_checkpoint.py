@@ -197,6 +197,28 @@ def test_ppo_with_its_critic_resumes_bitwise_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_save_after_a_round_without_an_update_onloads_the_policy_and_resumes_bitwise(tmp_path):
+    """Dynamic sampling wants 12 informative groups a step and a round gives at most 8, so a step's first
+    round ends without an update, the training state still offloaded (on CPU too: its tensors are empty
+    until onload). A SIGTERM then saves at that safe point: the save brings the state back first, and the
+    run resumed from it ends bit for bit where an uninterrupted one does."""
+    common = ["--trainer.max_steps", "3", "--data.batch_size", "8",
+              "--model.dynamic_sampling", '{"groups_per_update": 12, "max_rounds": 3}']  # fmt: skip
+    whole = tmp_path / "whole"
+    _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 100))
+    cut = tmp_path / "cut"
+    saver = _saver(cut / "ckpts", 100)
+    log = _faults(cut, "--kill", "sigterm:1", *common, "--trainer.callbacks", saver)
+    assert "a round without an update left the training state offloaded: onloading it for the save" in log, log[-3000:]
+    assert re.search(r"preemption: received SIGTERM; saved step 1 to \S+step-00000001; stopping training", log)
+    log = _faults(cut, *common, "--trainer.callbacks", saver, "--ckpt_path", "last")
+    assert _resumed_step(log) == 1
+    a, b = _weights(whole), _weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
+    assert _records(whole) == _records(cut)
+
+
+@pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_path):
     """SIGKILL between two optimizer steps, while the writers run, and between the manifest and the rename.
     Each time `latest` names an intact checkpoint, it is the newest one that was reported saved, the

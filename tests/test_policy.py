@@ -138,9 +138,11 @@ def test_offload_releases_the_training_state_and_onload_restores_it_bitwise(mega
     moments = policy._offloadable(params=False)
     assert moments, "Adam's moments after a step"
     before = [t.clone() for t in moments]
+    aliases = [t.detach() for t in moments]  # what an asynchronous checkpoint's writer reads
     weights = {k: v.clone() for k, v in policy.export_hf()}
     policy.offload(params=True)
     assert policy.offloaded and all(t.untyped_storage().nbytes() == 0 for t in moments)
+    assert all(torch.equal(a, b) for a, b in zip(aliases, before, strict=True))  # on CPU nothing is copied
     assert all(p.untyped_storage().nbytes() == 0 for p in policy.model.parameters())
     policy.offload(params=True)  # twice: a second round of dynamic sampling
     policy.onload()

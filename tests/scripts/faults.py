@@ -114,11 +114,17 @@ class Faulty(RLHFModule):
 class Recorder(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.updates = 0  # the optimizer step of the last row (rows are per update)
+
+    def on_train_start(self, trainer, module) -> None:
+        self.updates = trainer.global_step  # a resumed run's
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
-        if not outputs:  # no update this step (partial rollouts: no group finished yet)
+        # No update this round (partial rollouts: no group finished yet; dynamic sampling: not enough groups)
+        if not outputs or trainer.global_step == self.updates:
             return
+        self.updates = trainer.global_step
         row = {
             "step": trainer.global_step,
             "ids": [r["_id"] for r in batch],

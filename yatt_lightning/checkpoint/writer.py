@@ -3,9 +3,9 @@
 Megatron-Core's asynchronous ``dist_checkpointing`` forks the training process for each save (and forks
 again per write bucket). On CPU the trainer is ~2 GB and its next optimizer steps and weight push touch
 every page the child shares, so each is copied on write: a save then costs the run as much as a
-synchronous one. Here the step copies the tensors to write into reused host buffers
-(:class:`_HostSnapshot`, a memcpy) and a thread writes them bucket after bucket (file writes, ``fsync``
-and CRC-32 release the GIL). On GPU, Megatron's own queue (device-to-host copy, then a forked writer) is
+synchronous one. Here a thread writes them bucket after bucket (file writes, ``fsync`` and CRC-32
+release the GIL), from the training tensors themselves until the next optimizer step and from host
+copies of what is left then (:class:`LiveSnapshot`). On GPU, Megatron's own queue (device-to-host copy, then a forked writer) is
 used unchanged. Written against megatron-core 0.16.1 (``models/cpu.py`` pins it): the position of the
 write buckets in the request's arguments, ``write_preloaded_data.__wrapped__`` and the results format.
 """
@@ -19,10 +19,12 @@ import queue
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from yatt_lightning.models import live_state
 from yatt_lightning.models.cpu import cpu_mode
 
 log = logging.getLogger("yatt_lightning.checkpoint.folder")
@@ -34,9 +36,8 @@ def async_calls_queue() -> Any:
 
     On CPU a forked writer would cost the run as much as a synchronous save: the trainer is ~2 GB and its
     next optimizer steps touch every page the child shares (parameters, gradients, Adam state), so each is
-    copied on write. Here the step instead copies the tensors to write into host buffers of its own
-    (:class:`_HostSnapshot`, a memcpy) and a thread of this process writes them, bucket after bucket
-    (file writes, ``fsync`` and CRC-32 release the GIL)."""
+    copied on write. Here a thread of this process writes them, bucket after bucket, from the training
+    tensors until the next optimizer step copies what is left (:class:`LiveSnapshot`)."""
     if not cpu_mode():
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -44,31 +45,95 @@ def async_calls_queue() -> Any:
     return _thread_calls_queue_class()()
 
 
-class _HostSnapshot:
-    """Host buffers holding a copy of the tensors of one save, reused by the next save whose tensors have
-    the same shapes (no fresh page faults in the step). On CPU, Megatron's ``preload_tensors`` returns the
-    live training tensors themselves (``tensor.to("cpu")`` copies nothing), which the steps go on updating
-    while the writer reads them; the views Megatron would clone are copied here too (cpu.py defers them)."""
+_PENDING, _WRITING, _DONE, _COPIED = range(4)
+
+
+class LiveSnapshot:
+    """The tensors of one save, as the writer reads them: the training tensors themselves until the state
+    changes, then host copies of what it had not read yet.
+
+    On CPU, Megatron's ``preload_tensors`` returns the live training tensors (``tensor.to("cpu")`` copies
+    nothing), and the views it would clone are deferred to the writer (``models/cpu.py``). Copying all of
+    them in the step that saves costs that step a memcpy of the whole state (~0.15-0.2 s for 582 MiB
+    here). They change only in an optimizer step, and the next one comes after the next rollout, so the
+    writer reads the training tensors (through aliases of their storage, which CPU offload leaves
+    untouched) and :meth:`settle` runs in :func:`~yatt_lightning.models.live_state.before_update`: it
+    copies into host buffers (reused by the next save) only the tensors not yet written and waits for
+    the one being written. ``copied_bytes`` says how much that was.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict = {}
-        self.writer: threading.Thread | None = None  # the thread that reads the buffers now
+        self._items: dict = {}  # item index -> [write item, tensor (alias or copy), state]
+        self._cond = threading.Condition()
+        self.writer: threading.Thread | None = None  # the thread that reads the tensors now
+        self.copied_bytes = 0
 
     def take(self, write_buckets: list) -> list:
         if self.writer is not None:
-            self.writer.join()  # never overwrite what a writer still reads (the callback joined it already)
-        buffers, staged = {}, []
-        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
-            copies = []
-            for item, tensor in tensor_data:
-                buf = self._buffers.get(item.index)
+            self.writer.join()  # never hand out a buffer a writer still reads (the callback joined it already)
+        with self._cond:
+            self._items, self.copied_bytes = {}, 0
+            staged = []
+            for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+                keys = []
+                for item, tensor in tensor_data:
+                    # An alias: its own sizes over the same storage, so an offload that swaps the training
+                    # tensor's storage out (``MegatronPolicy.offload`` on CPU) does not change what is read.
+                    self._items[item.index] = [item, tensor.detach(), _PENDING]
+                    keys.append(item.index)
+                staged.append((file_name, storage_key, (bytes_data, self._iterate(keys))))
+        live_state.register(self)
+        return staged
+
+    def _iterate(self, keys: list) -> Iterator[tuple[Any, torch.Tensor]]:
+        """The (write item, tensor) pairs of one bucket, for Megatron's writer loop: a pair counts as written
+        once the loop asks for the next one (or ends)."""
+        current = None
+        try:
+            for key in keys:
+                with self._cond:
+                    self._finish(current)
+                    entry = self._items[key]
+                    if entry[2] == _PENDING:
+                        entry[2] = _WRITING
+                    current, pair = key, (entry[0], entry[1])
+                yield pair
+        finally:
+            with self._cond:
+                self._finish(current)
+
+    def _finish(self, key) -> None:
+        if key is not None:
+            entry = self._items[key]
+            entry[1], entry[2] = None, _DONE
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Before the training state changes: copy every tensor the writer has not reached, then wait for
+        the one it is writing (it reads the copies from now on)."""
+        with self._cond:
+            buffers = {}
+            for key, entry in self._items.items():
+                if entry[2] != _PENDING:
+                    continue
+                tensor, buf = entry[1], self._buffers.get(key)
                 if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
                     buf = torch.empty(tensor.shape, dtype=tensor.dtype)
-                buffers[item.index] = buf.copy_(tensor)
-                copies.append((item, buf))
-            staged.append((file_name, storage_key, (bytes_data, copies)))
-        self._buffers = buffers
-        return staged
+                buffers[key] = buf.copy_(tensor)
+                entry[1], entry[2] = buf, _COPIED
+                self.copied_bytes += tensor.numel() * tensor.element_size()
+            self._buffers = buffers
+            while any(entry[2] == _WRITING for entry in self._items.values()):
+                self._cond.wait()
+
+    def close(self) -> None:
+        """The writer is done (or failed): nothing is read any more."""
+        live_state.unregister(self)
+        with self._cond:
+            for entry in self._items.values():
+                entry[1] = None
+            self._cond.notify_all()
 
 
 @functools.cache
@@ -77,9 +142,9 @@ def _thread_calls_queue_class() -> type:
 
     class ThreadAsyncCaller(AsyncCaller):
         """Megatron's ``TemporalAsyncCaller`` (same agreement between ranks on when every rank is done)
-        with a thread for the process and :class:`_HostSnapshot` for the device-to-host copy."""
+        with a thread for the process and :class:`LiveSnapshot` for the device-to-host copy."""
 
-        def __init__(self, snapshot: _HostSnapshot) -> None:
+        def __init__(self, snapshot: LiveSnapshot) -> None:
             self.snapshot = snapshot
             self.thread: threading.Thread | None = None
 
@@ -92,7 +157,7 @@ def _thread_calls_queue_class() -> type:
             # The thread inherits the caller's signal mask: the callback blocks the preemption signals here,
             # so they are delivered to the main thread, whose handlers take them.
             self.thread = threading.Thread(
-                target=_run_writer, args=(async_req.async_fn, args, async_req.async_fn_kwargs),
+                target=_run_writer, args=(async_req.async_fn, args, async_req.async_fn_kwargs, self.snapshot),
                 name="yatt-checkpoint-writer", daemon=True,
             )  # fmt: skip
             self.snapshot.writer = self.thread
@@ -117,7 +182,7 @@ def _thread_calls_queue_class() -> type:
     class ThreadCallsQueue(AsyncCallsQueue):
         def __init__(self) -> None:
             super().__init__(persistent=False)
-            self.snapshot = _HostSnapshot()
+            self.snapshot = LiveSnapshot()
 
         def _get_async_caller(self) -> AsyncCaller:
             return ThreadAsyncCaller(self.snapshot)
@@ -125,7 +190,7 @@ def _thread_calls_queue_class() -> type:
     return ThreadCallsQueue
 
 
-def _run_writer(fn, args, kwargs) -> None:
+def _run_writer(fn, args, kwargs, snapshot: LiveSnapshot) -> None:
     """The writer thread. Megatron's writes report failures through the results queue and ours through
     ``error_rank<r>.txt``; finalisation raises them on every rank. This only keeps a traceback in the
     library output's log (not on the terminal: the failure's one screen comes from finalisation)."""
@@ -135,6 +200,8 @@ def _run_writer(fn, args, kwargs) -> None:
         with contextlib.suppress(OSError, ValueError):  # that log may be on the disk that just filled
             print("the checkpoint writer thread failed:", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
+    finally:
+        snapshot.close()
 
 
 def _write_buckets_in_order(transform_list, use_msc, rank: int, write_buckets: list, results_queue) -> None:

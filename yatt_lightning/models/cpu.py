@@ -15,9 +15,9 @@ and a CUDA RNG tracker. This module answers each with the CPU equivalent:
   :func:`model_parallel_manual_seed`.
 * Checkpoint writing (:func:`_defer_checkpoint_clones`): Megatron's asynchronous writer clones every CPU
   tensor that is a view (the gate/up halves of the MLP and their optimizer state) in the training loop.
-  On CPU an asynchronous save copies every tensor into its own host buffers in the step anyway
-  (``checkpoint._HostSnapshot``), so the clone moves to the writer, just before each tensor is serialised
-  (where it clones only what still is a view: a synchronous save's tensors); the files are identical.
+  On CPU an asynchronous save's writer thread reads the tensors while the next step runs
+  (``checkpoint.writer.LiveSnapshot``), so the clone moves to the writer, just before each tensor is
+  serialised (where it clones only what still is a view); the files are identical.
 
 On a machine with CUDA every entry point here is a no-op and Megatron runs unpatched.
 The patches target exactly :data:`MEGATRON_CORE_VERSION`; :func:`check_version` refuses others.

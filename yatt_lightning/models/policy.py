@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.models import convert, vlm
+from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
 from yatt_lightning.training.optim import OptimizerSettings
@@ -161,6 +161,7 @@ class MegatronPolicy(torch.nn.Module):
 
     def optimizer_step(self, step: int) -> tuple[bool, float]:
         """One optimizer step at the learning rate of optimizer step ``step``; returns (applied, grad norm)."""
+        live_state.before_update()  # an asynchronous checkpoint still reading these tensors copies the rest
         lr = self.settings.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -173,9 +174,10 @@ class MegatronPolicy(torch.nn.Module):
         """Free this rank's memory for training state while the rollout engine runs.
 
         Gradient buffers are released and optimizer state (and with ``params`` the parameter buffers)
-        moves to host memory. On a GPU through Megatron-Core's RL helpers; on CPU into host copies, with
-        the same effect on the tensors (their storage is released until :meth:`onload`), so that the
-        suite exercises what reads the state while it is away.
+        moves to host memory. On a GPU through Megatron-Core's RL helpers. On CPU, where host memory is
+        the memory, the same effect on the tensors without a copy: each gives its storage to a host alias
+        and is left empty until :meth:`onload` (so the suite exercises what reads the state while it is
+        away); an alias taken before (an asynchronous checkpoint's) still reads the data.
         """
         if self.optimizer is None or self.offloaded:
             return
@@ -186,11 +188,12 @@ class MegatronPolicy(torch.nn.Module):
             self.optimizer.offload_to_cpu()
             torch.cuda.empty_cache()
         else:
-            self._host = [(t, t.detach().clone()) for t in self._offloadable(params)]
+            self._host = [(t, t.detach()) for t in self._offloadable(params)]
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.offload_to_cpu(move_params=False, move_grads=True)  # released, zeroed on return
-            for tensor, _ in self._host:
-                tensor.untyped_storage().resize_(0)
+            with torch.no_grad():
+                for tensor, _ in self._host:
+                    tensor.set_(torch.empty(0, dtype=tensor.dtype))
         self.offloaded = True
 
     def onload(self) -> None:
@@ -203,23 +206,24 @@ class MegatronPolicy(torch.nn.Module):
             self.optimizer.restore_from_cpu()
             torch.cuda.synchronize()
         else:
-            for tensor, copy in self._host:
-                tensor.untyped_storage().resize_(copy.untyped_storage().nbytes())
-                tensor.copy_(copy)
+            with torch.no_grad():
+                for tensor, alias in self._host:
+                    tensor.set_(alias)  # its own storage back, at the same offset, sizes and strides
             self._host = []
         self.offloaded = False
 
     def _offloadable(self, params: bool) -> list[torch.Tensor]:
-        """The optimizer's state tensors (and the parameter buffers), each storage once."""
+        """The optimizer's state tensors (and the parameter buffers and the parameters, views of them), each
+        tensor once."""
         seen, out = set(), []
         buffers = [b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers]
-        tensors = [] if not params else [b for b in buffers if b is not None] or [p.data for p in self.model.parameters()]
+        tensors = [] if not params else [b for b in buffers if b is not None] + list(self.model.parameters())
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(opt, "optimizer", None)
             for state in (inner.state.values() if inner is not None else []):
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
         for t in tensors:
-            key = t.untyped_storage().data_ptr()
+            key = id(t)
             if key not in seen and t.untyped_storage().nbytes() > 0:
                 seen.add(key)
                 out.append(t)

@@ -1,0 +1,59 @@
+"""Tier 1: the CPU checkpoint writer reads the training tensors until the state changes, then its copies."""
+
+import threading
+from collections import namedtuple
+
+import torch
+
+from yatt_lightning.checkpoint.writer import LiveSnapshot
+from yatt_lightning.models import live_state
+
+Item = namedtuple("Item", "index")
+
+
+def _buckets(*tensors):
+    return [("file", "key", ([], [(Item(i), t) for i, t in enumerate(tensors)]))]
+
+
+def test_an_optimizer_step_before_the_writer_ends_changes_nothing_written():
+    a, b, c = torch.zeros(4), torch.ones(4), torch.full((4,), 2.0)
+    snapshot = LiveSnapshot()
+    pairs = snapshot.take(_buckets(a, b, c))[0][2][1]
+    item, first = next(pairs)  # the writer serialises `a` from the training tensor itself
+    assert item.index == 0 and first.data_ptr() == a.data_ptr()
+    settled = threading.Thread(target=live_state.before_update)  # the next optimizer step begins
+    settled.start()
+    settled.join(timeout=0.5)
+    assert settled.is_alive(), "the step waits for the tensor being written"
+    assert snapshot.copied_bytes == 2 * 4 * 4  # b and c, not yet reached, were copied
+    _, second = next(pairs)  # `a` is written: the step may go on, and the writer reads the copy of `b`
+    settled.join(timeout=5)
+    assert not settled.is_alive()
+    with torch.no_grad():
+        for t in (a, b, c):
+            t.add_(10)  # the optimizer step
+    rest = [second, *(t for _, t in pairs)]
+    assert [t.tolist() for t in rest] == [[1.0] * 4, [2.0] * 4]
+    snapshot.close()
+    live_state.before_update()  # nothing registered any more: nothing to wait for
+
+
+def test_a_writer_that_finished_first_copies_nothing():
+    a = torch.zeros(1000)
+    snapshot = LiveSnapshot()
+    pairs = snapshot.take(_buckets(a))[0][2][1]
+    assert [t.data_ptr() for _, t in pairs] == [a.data_ptr()]
+    live_state.before_update()
+    assert snapshot.copied_bytes == 0
+    snapshot.close()
+
+
+def test_an_offload_of_the_training_tensor_does_not_change_what_is_read():
+    """CPU offload swaps a tensor's storage out (``MegatronPolicy.offload``); the writer's alias keeps it."""
+    a = torch.arange(6.0)
+    snapshot = LiveSnapshot()
+    pairs = snapshot.take(_buckets(a))[0][2][1]
+    with torch.no_grad():
+        a.set_(torch.empty(0))
+    assert [t.tolist() for _, t in pairs] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+    snapshot.close()
