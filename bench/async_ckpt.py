@@ -2,31 +2,36 @@
 
 One training run of a random-initialised Qwen2-style model (``--size medium``: ~50M parameters,
 checkpoints of ~600 MB with the Adam state; ``--size small``: the ~18M built-in ``small-qwen2``, ~210 MB;
-``--smoke``: the tiny built-in model) is cut into blocks of k consecutive steps (``--every``, default 5),
-each block one arm:
+``--smoke``: the tiny built-in model) is cut into blocks of k consecutive steps (``--every``, default 6),
+each block one arm; the first ``--clean`` steps of every block (default 2) are clean (no save of the
+block has started), then:
 
-- ``async``: an asynchronous save after the block's first step; its writers run in the background
-  during the next steps, and it is finalised at the safe point of the step where they are done, or at
-  the end of the block at the latest (blocking, counted: the next save of a run saving every k steps
-  would wait for it there). So the block holds everything one save costs the loop: the planning and
-  the copy of the state (on CPU into reused host buffers; a fork of the writer, with the copy-on-write
-  faults of the steps that follow, on GPU), the writer's competition for the CPU, the GIL and the disk,
-  the finalisation. On CPU the writer is a thread: its CPU time counts in the trainer's.
+- ``async``: an asynchronous save at the end of the next step; its writer runs in the background during
+  the steps that follow (on CPU from the training tensors until the next optimizer step, which first
+  copies what is left; on GPU after a device-to-host copy, in a forked writer), and it is finalised at the
+  safe point of the step where it is done, or at the end of the block at the latest (blocking, counted:
+  the next save of a run saving every k steps would wait for it there). So the block holds everything
+  one save costs the loop: its planning and copies, the writer's competition for the CPU, the GIL and
+  the disk, the finalisation.
 - ``none``: the same k steps without a save.
-- ``sync``: a synchronous save after the block's first step; its duration is the synchronous save time.
+- ``sync``: a synchronous save at the same place; its duration is the synchronous save time.
 
-After a warm-up (one async block, one sync block: the first fork, the first save), the pattern
+After a warm-up (one async block, one sync block: the first save of each kind), the pattern
 ``async none none async sync`` repeats ``--repeats`` times (default 4): each async block is paired with
-the none block next to it (ABBA order, so a drift of the shared machine lands on both arms), and both
-arms run in the same process on the same model, state sizes and kind of batches, one right after the
-other. The weights and prompts advance between blocks, as in any run; each step's work has the same
-shapes. Between blocks, outside the timed span, older checkpoints are deleted synchronously (so no
-deletion runs during a measured block).
+the none block next to it (ABBA order), both arms in the same process on the same model, state sizes and
+kind of batches. Between blocks, outside the timed span, older checkpoints are deleted synchronously.
 
-    extra per save = median over pairs of (async block - none block)
+On this shared 2-core machine whole blocks drift by +-10% from one to the next (1-2 s on 10 s blocks),
+more than a save costs, so the figure takes each block as its own baseline: what its steps from the save
+on took, less what its clean steps predict for them (``within``); the none block's same difference
+removes what the position in the block costs by itself.
+
+    extra per save = median over pairs of (within(async block) - within(none block))
     stall_ratio    = extra per save / median synchronous save time
 
-    python bench/async_ckpt.py [--size medium|small] [--every 5] [--repeats 4] [--smoke] [yatt overrides]
+The whole-block difference (the figure before 2026-12-03) is printed as ``block_ratio``.
+
+    python bench/async_ckpt.py [--size medium|small] [--every 6] [--clean 2] [--repeats 4] [--smoke] [overrides]
 
 Last line: ``stall_ratio=<x>``; target <= 0.2 at the default size.
 """
@@ -77,8 +82,8 @@ def _usage() -> tuple[float, int, float]:
 class Blocks(Callback):
     """Runs after AsyncCheckpoint in the callback list: saves as each block's arm says, times the blocks."""
 
-    def __init__(self, saver: AsyncCheckpoint, every: int, plan: list[str]) -> None:
-        self.saver, self.every, self.plan = saver, every, plan
+    def __init__(self, saver: AsyncCheckpoint, every: int, plan: list[str], clean: int) -> None:
+        self.saver, self.every, self.plan, self.clean = saver, every, plan, clean
         self.blocks: list[Block] = []  # warm-up included
         self.sync_s: list[float] = []  # synchronous saves (measured blocks only)
         self.async_call_s: list[float] = []  # time inside the async save call and the safe-point finalisations
@@ -113,7 +118,7 @@ class Blocks(Callback):
         self._done += 1
         block = self.blocks[-1]
         measured = len(self.blocks) > len(WARMUP)
-        if pos == 0 and block.arm != "none":
+        if pos == self.clean and block.arm != "none":  # after the block's clean steps
             t0 = time.perf_counter()
             self.saver.save(trainer, asynchronous=block.arm == "async")
             self._call = time.perf_counter() - t0
@@ -139,19 +144,21 @@ class Blocks(Callback):
 
 def _options(argv: list[str]) -> tuple[dict, list[str]]:
     """Pop this bench's options from ``argv``; the rest are yatt CLI overrides."""
-    opts = {"size": "medium", "every": 5, "repeats": 4, "smoke": False}
+    opts = {"size": "medium", "every": 6, "clean": 2, "repeats": 4, "smoke": False}
     rest: list[str] = []
     it = iter(argv)
     for arg in it:
         if arg == "--smoke":
             opts["smoke"] = True
-        elif arg in ("--size", "--every", "--repeats"):
+        elif arg in ("--size", "--every", "--clean", "--repeats"):
             value = next(it)
             opts[arg[2:]] = value if arg == "--size" else int(value)
         else:
             rest.append(arg)
     if opts["smoke"]:
-        opts.update(size="tiny", every=3, repeats=1)
+        opts.update(size="tiny", every=3, clean=1, repeats=1)
+    if not 0 < opts["clean"] < opts["every"] - 1:
+        raise SystemExit(f"--clean must leave the save and one step after it in the block: 0 < clean < every - 1")
     if opts["size"] not in ("medium", "small", "tiny"):
         raise SystemExit(f"--size must be medium or small, got {opts['size']!r}")
     return opts, rest
@@ -175,17 +182,24 @@ def main() -> None:
              "--model.sampling.n", "4", *overrides]
         )  # fmt: skip
         saver = AsyncCheckpoint(dirpath=tmp, every_n_steps=None, keep_last=1000, save_at_end=False)
-        blocks = Blocks(saver, every, plan)
+        blocks = Blocks(saver, every, plan, opts["clean"])
         cli.trainer.callbacks.extend([saver, blocks])
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         if not cli.trainer.is_global_zero:
             return
         newest = ckpt.complete_checkpoints(Path(tmp))[0]
         size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-    report(blocks, every, size)
+    report(blocks, every, size, opts["clean"])
 
 
-def report(blocks: Blocks, every: int, size: int) -> None:
+def within(block: Block, clean: int) -> float:
+    """The block's steps from the save on, less what its clean steps (before the save) predict for them:
+    the block is its own baseline, so the machine's drift from block to block cancels."""
+    steps = block.steps_s
+    return sum(steps[clean:]) - (len(steps) - clean) / clean * sum(steps[:clean])
+
+
+def report(blocks: Blocks, every: int, size: int, clean: int) -> None:
     measured = blocks.blocks[len(WARMUP) :]
     per = len(PATTERN)
     pairs = []  # (async block, none block) side by side: positions 0-1 and 3-2 of each pattern
@@ -196,6 +210,8 @@ def report(blocks: Blocks, every: int, size: int) -> None:
         sync_extra.append(s.wall_s - (n1.wall_s + n2.wall_s) / 2)
     extras = [a.wall_s - n.wall_s for a, n in pairs]
     extra = statistics.median(extras)
+    within_extras = [within(a, clean) - within(n, clean) for a, n in pairs]
+    within_extra = statistics.median(within_extras)
     sync = statistics.median(blocks.sync_s)
 
     def ms(values) -> str:
@@ -218,7 +234,10 @@ def report(blocks: Blocks, every: int, size: int) -> None:
             "(forked ones only)"
         )
     mean = statistics.mean(extras)
-    print(f"async - none, per pair (ms): {ms(extras)}; median {extra * 1000:.0f}, mean {mean * 1000:.0f}")
+    print(f"async - none, per pair, whole blocks (ms): {ms(extras)}; median {extra * 1000:.0f}, mean {mean * 1000:.0f}"
+          f" (block_ratio={extra / sync:.3f})")  # fmt: skip
+    print(f"async - none, per pair, each block against its {clean} clean steps (ms): {ms(within_extras)}; median "
+          f"{within_extra * 1000:.0f}, mean {statistics.mean(within_extras) * 1000:.0f}")  # fmt: skip
     print(f"sync save (ms): {ms(blocks.sync_s)}; median {sync * 1000:.0f}; sync block - its none blocks (ms): "
           f"{ms(sync_extra)}")  # fmt: skip
     print(f"async: time inside the save call and the finalisations per save (the old measure; ms): "
@@ -226,7 +245,7 @@ def report(blocks: Blocks, every: int, size: int) -> None:
     print(f"totals: (sum async - sum none) / (sync x saves) = {sum(extras) / (sync * len(extras)):.3f}")
     # An asynchronous save's call returns before its write: if it wrote in the call, this would be ~1.
     print(f"async_call_over_sync={statistics.median(blocks.async_call_s) / sync:.3f}")
-    print(f"stall_ratio={extra / sync:.3f}", flush=True)
+    print(f"stall_ratio={within_extra / sync:.3f}", flush=True)
 
 
 if __name__ == "__main__":

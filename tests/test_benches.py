@@ -23,7 +23,7 @@ LAST_LINE = {
     "controller_scaling.py": r"rank0_data_bytes_ratio=(?P<data>\S+) rank0_total_bytes_ratio=(?P<total>\S+)",
     "dp_balance.py": r"imbalance_before=(?P<before>\S+) imbalance_after=\S+ train_phase_speedup=(?P<speedup>\S+) "
     r"speedup_low=\S+ long_imbalance_before=(?P<long_before>\S+) long_imbalance_after=(?P<long_after>\S+) "
-    r"long_train_phase_speedup=(?P<long_speedup>\S+)",
+    r"long_train_phase_speedup=(?P<long_speedup>\S+) long_speedup_low=\S+",
     "interrupts.py": r"interrupts=(?P<k>\d+) stopped=(?P<stopped>\d+) continued_to_max_steps=(?P<continued>\d+) "
     r"latest_is_newest=(?P<latest>\d+) resumed_exactly=(?P<resumed>\d+) bitwise_equal_final=(?P<bitwise>\d)",
     "gpu_check.py": r"gpu_check=ok max_logit_diff=(?P<logit_diff>\S+) grad_norm=(?P<grad_norm>\S+) step_ms=\S+",
