@@ -33,7 +33,7 @@ def rollout_consistency(module, rows: list[dict]) -> dict[str, float]:
     Collective: call on every rank at the same point.
     """
     rollouts = module.rollout(rows)
-    ours = module.compute_logprobs(module.policy, TrainingBatch(rollouts), list(range(len(rollouts))))
+    ours = module.compute_logprobs(module.policy, TrainingBatch.of(rollouts), list(range(len(rollouts))))
     return _compare(ours, rollouts.rollout_logprobs)
 
 
@@ -59,7 +59,7 @@ def stale_engine_consistency(module, rows: list[dict], stale_weights: Iterable[t
         rollout_logprobs=[torch.tensor(c.logprobs) for c in comps],
         finish_reasons=[c.finish_reason for c in comps],
     )
-    ours = module.compute_logprobs(module.policy, TrainingBatch(rollouts), list(range(len(rollouts))))
+    ours = module.compute_logprobs(module.policy, TrainingBatch.of(rollouts), list(range(len(rollouts))))
     return _compare(ours, rollouts.rollout_logprobs)
 
 

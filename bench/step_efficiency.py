@@ -120,7 +120,7 @@ class StepEfficiency(Callback):
         """Forward and backward of the step's micro-batches straight through the Megatron model."""
         from yatt_lightning.models.cpu import megatron_cpu_context
 
-        mbs = module.microbatches(TrainingBatch(rollouts), list(range(len(rollouts))))
+        mbs = module.microbatches(TrainingBatch.of(rollouts), list(range(len(rollouts))))
         model = module.policy.model
         model.train(True)
         t0 = time.perf_counter()

@@ -35,9 +35,8 @@ from typing_extensions import override
 
 from yatt_lightning.algorithms.advantage import Advantages
 from yatt_lightning.distributed.collectives import exchange_tensors
-from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.training.balance_plan import DECIDE_BY, Planner, choose_parts
-from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.batch import TrainingBatch, TrainingSamples
 from yatt_lightning.training.cost_model import TrainCostModel, Work
 
 
@@ -117,12 +116,12 @@ class DPLoadBalancer(Callback):
             return Rebalanced(batch, {})
         if batch.old_logprobs is not None or batch.ref_logprobs is not None:
             raise ValueError("DPLoadBalancer.rebalance runs before the update computes old or reference logprobs")
-        rollouts = batch.rollouts
+        samples = batch.samples
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
         last = [*astuple(self._last[0]), self._last[1]] if self._last is not None else [0.0] * 6
-        n = len(rollouts)
-        mine = torch.tensor([*rollouts.sequence_lengths(), *self._bytes(batch), *last], dtype=torch.float64)
+        n = len(samples)
+        mine = torch.tensor([*samples.sequence_lengths(), *self._bytes(batch), *last], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(dp)]
         torch.distributed.all_gather(every, mine, group=group)  # equal counts per rank: same shapes
         for figures in every:  # every rank learns the same from the same figures
@@ -160,29 +159,28 @@ class DPLoadBalancer(Callback):
     def _bytes(batch: TrainingBatch) -> list[float]:
         """What each sequence weighs on the wire (as :meth:`_pack` sends it): its ids (8 bytes a token), its
         engine logprobs and per-token advantage fields (4 bytes a completion token each), its scalars."""
-        rollouts, advantages = batch.rollouts, batch.advantages
+        samples, advantages = batch.samples, batch.advantages
         fields = 1 + sum(getattr(advantages, key) is not None for key in _PER_TOKEN)
         return [8.0 * (len(p) + len(c)) + 4.0 * fields * len(c) + 48.0
-                for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)]  # fmt: skip
+                for p, c in zip(samples.prompt_ids, samples.completion_ids, strict=True)]  # fmt: skip
 
     @staticmethod
     def _pack(batch: TrainingBatch, local: list[int], offset: int) -> dict[str, torch.Tensor]:
         """The training fields of samples ``local`` as flat tensors (global ids = ``offset`` + local); per-token
         advantages and a critic's returns and values travel flat, one value per completion token."""
-        rollouts, advantages = batch.rollouts, batch.advantages
-        ids = [rollouts.prompt_ids[i] + rollouts.completion_ids[i] for i in local]
-        per_sample = advantages.values if advantages.values is not None else torch.zeros(len(rollouts))
+        samples, advantages = batch.samples, batch.advantages
+        ids = [samples.prompt_ids[i] + samples.completion_ids[i] for i in local]
+        per_sample = advantages.values if advantages.values is not None else torch.zeros(len(samples))
         out = {
             "tokens": torch.tensor([t for seq in ids for t in seq], dtype=torch.long),
-            "lengths": torch.tensor([[len(rollouts.prompt_ids[i]), len(rollouts.completion_ids[i])] for i in local],
+            "lengths": torch.tensor([[len(samples.prompt_ids[i]), len(samples.completion_ids[i])] for i in local],
                                     dtype=torch.long).reshape(-1, 2),
-            "logprobs": _flat([rollouts.rollout_logprobs[i] for i in local]),
-            "scalars": torch.tensor([[offset + i, float(per_sample[i]), float(rollouts.rewards[i])]
-                                     for i in local], dtype=torch.float64).reshape(-1, 3),
+            "logprobs": _flat([samples.rollout_logprobs[i] for i in local]),
+            "scalars": torch.tensor([[offset + i, float(per_sample[i])] for i in local],
+                                    dtype=torch.float64).reshape(-1, 2),
             # Image rows: their references (paths and hashes, ~200 bytes an image), never the pixels; the
             # receiving rank reads the files it trains on.
-            "images": torch.frombuffer(bytearray(pickle.dumps(
-                [rollouts.rows[i]["images"] if "images" in rollouts.rows[i] else None for i in local])), dtype=torch.uint8),
+            "images": torch.frombuffer(bytearray(pickle.dumps([samples.images[i] for i in local])), dtype=torch.uint8),
         }  # fmt: skip
         for key in _PER_TOKEN:
             values = getattr(advantages, key)
@@ -198,31 +196,24 @@ class DPLoadBalancer(Callback):
             tokens, logprobs = part["tokens"].tolist(), part["logprobs"]
             images = pickle.loads(part["images"].numpy().tobytes())
             at = lp_at = 0
-            for k, ((p, c), (gid, adv, reward)) in enumerate(
+            for k, ((p, c), (gid, adv)) in enumerate(
                 zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True)
             ):
-                row = {} if images[k] is None else {"images": images[k]}
                 extra = {key: part[f"advantages.{key}"][lp_at : lp_at + c] for key in per_token}
                 samples.append((int(gid), tokens[at : at + p], tokens[at + p : at + p + c], logprobs[lp_at : lp_at + c],
-                                adv, reward, row, extra))  # fmt: skip
+                                adv, images[k], extra))  # fmt: skip
                 at, lp_at = at + p + c, lp_at + c
         samples.sort(key=lambda s: s[0])
-        k = len(samples)
-        rollouts = RolloutBatch(
-            prompts=[""] * k,
+        training = TrainingSamples(
             prompt_ids=[s[1] for s in samples],
             completion_ids=[s[2] for s in samples],
-            completions=[""] * k,
-            rows=[s[6] for s in samples],  # the images' references, for the training forward
-            group_ids=torch.tensor([s[0] for s in samples], dtype=torch.long),
             rollout_logprobs=[s[3] for s in samples],
-            finish_reasons=[""] * k,  # not needed by the update; the owner keeps the real ones for logging
-            rewards=torch.tensor([s[5] for s in samples], dtype=torch.float),
+            images=[s[5] for s in samples],  # the references, for the training forward
         )
-        fields = {key: [s[7][key] for s in samples] for key in per_token}
+        fields = {key: [s[6][key] for s in samples] for key in per_token}
         if "tokens" not in fields:
             fields["values"] = torch.tensor([s[4] for s in samples], dtype=torch.float)
-        return TrainingBatch(rollouts, Advantages(**fields))
+        return TrainingBatch(training, Advantages(**fields))
 
 
 # Per-token fields of the advantages that travel with a sample (when the estimator produced them).

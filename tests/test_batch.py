@@ -7,7 +7,7 @@ import torch
 
 from yatt_lightning.algorithms import Advantages
 from yatt_lightning.rollout.batch import RolloutBatch
-from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.batch import MicroBatch, TrainingBatch, TrainingSamples
 
 
 def _rollouts():
@@ -25,7 +25,7 @@ def _rollouts():
 
 def _batch():
     return TrainingBatch(
-        _rollouts(),
+        TrainingSamples.of(_rollouts()),
         Advantages(torch.tensor([0.5, -0.5])),
         old_logprobs=[torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])],
     )
@@ -81,7 +81,7 @@ def test_per_token_advantages_and_critic_targets_reach_the_microbatch():
     adv = Advantages(tokens=[torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])],
                      returns=[torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4, 0.5])],
                      old_values=[torch.zeros(2), torch.ones(3)])  # fmt: skip
-    (mb,) = TrainingBatch(rollouts, adv).microbatches([0, 1], micro_batch_size=2, pad_id=0, pad_to_multiple=1)
+    (mb,) = TrainingBatch.of(rollouts, adv).microbatches([0, 1], micro_batch_size=2, pad_id=0, pad_to_multiple=1)
     mask = mb["loss_mask"].bool()
     assert mb["advantages"].shape == mb["loss_mask"].shape
     assert mb["advantages"][mask].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
@@ -97,14 +97,26 @@ def test_the_balancer_moves_per_token_advantages_with_their_samples():
     adv = Advantages(tokens=[torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])],
                      returns=[torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4, 0.5])],
                      old_values=[torch.zeros(2), torch.ones(3)])  # fmt: skip
-    batch = TrainingBatch(rollouts, adv)
+    batch = TrainingBatch.of(rollouts, adv)
     sent = [DPLoadBalancer._pack(batch, [1], 0), DPLoadBalancer._pack(batch, [0], 0)]  # two "ranks", out of order
     got = DPLoadBalancer._unpack(sent)
-    assert got.rollouts.completion_ids == rollouts.completion_ids
+    assert got.samples.completion_ids == rollouts.completion_ids and got.samples.prompt_ids == rollouts.prompt_ids
+    assert got.samples.images == [None, None]  # what training needs, nothing fabricated
     for field in ("tokens", "returns", "old_values"):
         for a, b in zip(getattr(got.advantages, field), getattr(adv, field), strict=True):
             torch.testing.assert_close(a, b)
     scalar = DPLoadBalancer._unpack(
-        [DPLoadBalancer._pack(TrainingBatch(rollouts, Advantages(torch.tensor([0.5, -0.5]))), [0, 1], 0)]
+        [DPLoadBalancer._pack(TrainingBatch.of(rollouts, Advantages(torch.tensor([0.5, -0.5]))), [0, 1], 0)]
     )
     assert scalar.advantages.values.tolist() == [0.5, -0.5] and scalar.advantages.tokens is None
+
+
+def test_a_micro_batch_is_typed_and_reads_as_a_mapping_for_dict_style_hooks():
+    (mb,) = _batch().microbatches([0, 1], micro_batch_size=2, pad_id=0)
+    assert isinstance(mb, MicroBatch) and mb.ref_logprobs is None and mb.pixel_values is None
+    assert "old_logprobs" in mb and "ref_logprobs" not in mb and "nonsense" not in mb
+    assert torch.equal(mb["advantages"], mb.advantages)
+    with pytest.raises(KeyError):
+        mb["ref_logprobs"]
+    on_policy = mb.replace(old_logprobs=torch.zeros_like(mb.loss_mask))
+    assert on_policy.old_logprobs.abs().sum() == 0 and mb.old_logprobs.abs().sum() > 0  # a new value

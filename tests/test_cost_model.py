@@ -126,9 +126,13 @@ def test_the_swap_path_keeps_each_part_on_its_rank_and_sizes_equal():
 
 
 def test_work_of_a_plan_equals_the_work_of_its_micro_batches():
-    lengths = [5, 17, 30, 9]
+    from yatt_lightning.training.batch import TrainingBatch, TrainingSamples
+
+    prompts, completions = [[1] * 3, [1] * 7, [1] * 10, [1] * 4], [[2] * 2, [2] * 10, [2] * 20, [2] * 5]
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]  # 5, 17, 30, 9
+    samples = TrainingSamples(prompts, completions, [torch.zeros(len(c)) for c in completions], [None] * 4)
     plan = [[2, 1], [0, 3]]
-    built = [{"input_ids": torch.zeros(2, 32, dtype=torch.long)}, {"input_ids": torch.zeros(2, 16, dtype=torch.long)}]
+    built = TrainingBatch(samples).microbatches([0, 1, 2, 3], micro_batch_size=2, pad_id=0, plan=plan)
     assert plan_work(lengths, plan) == microbatch_work(built) == Work(96.0, (2 * 32 * 32 + 2 * 16 * 16) / 1000, 2.0)
 
 
@@ -153,7 +157,7 @@ def test_the_wire_estimate_matches_what_is_sent():
         completions=["", ""], rows=[{}, {}], group_ids=torch.tensor([0, 1]),
         rollout_logprobs=[torch.zeros(40), torch.zeros(300)], finish_reasons=["", ""],
     ).scored(torch.tensor([1.0, 0.0]))  # fmt: skip
-    batch = TrainingBatch(rollouts, Advantages(torch.tensor([0.5, -0.5])))
+    batch = TrainingBatch.of(rollouts, Advantages(torch.tensor([0.5, -0.5])))
     for i in range(2):
         sent = DPLoadBalancer._pack(batch, [i], 0)
         real = sum(t.numel() * t.element_size() for t in sent.values())

@@ -68,9 +68,10 @@ class ImageInputs:
         the row has one per image)."""
         return expand(ids, self.token_id, self.tokens_per_image)
 
-    def pixels(self, rows: list[dict]) -> torch.Tensor | None:
-        """``[images, 3, H, W]`` for the images of ``rows`` in order (``None`` when they have none)."""
-        images = [load_image(ref) for row in rows if "images" in row for ref in row["images"]]
+    def pixels(self, images: list[list]) -> torch.Tensor | None:
+        """``[images, 3, H, W]`` for the samples' image references (a list per sample) in order (``None``
+        when they have none)."""
+        images = [load_image(ref) for refs in images for ref in refs]
         if not images:
             return None
         return self.processor(images=images, return_tensors="pt")["pixel_values"]

@@ -55,11 +55,11 @@ def plan_work(lengths: list[int], plan: list[list[int]], pad_to_multiple: int = 
     return Work(tokens, attention, float(len(plan)))
 
 
-def microbatch_work(microbatches: list[dict]) -> Work:
-    """The compute terms of micro-batches as built (``input_ids [b, s]``, padded)."""
+def microbatch_work(microbatches: list) -> Work:
+    """The compute terms of micro-batches as built (their ``input_ids [b, s]``, padded)."""
     total = Work(0.0, 0.0, 0.0)
     for mb in microbatches:
-        b, s = mb["input_ids"].shape
+        b, s = mb.input_ids.shape
         total = total + Work(float(b * s), b * s * s / 1000.0, 1.0)
     return total
 

@@ -21,6 +21,7 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import check_finite
 from yatt_lightning.models.logprobs import per_sample_forward
 from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.training.batch import MicroBatch
 from yatt_lightning.training.optim import OptimizerSettings
 
 # The critic's per-token figures of a step, averaged over its tokens for logging.
@@ -65,35 +66,37 @@ class Critic:
         clipped = (clipped_values - returns) ** 2
         return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
-    def step(self, model, microbatches: list[dict], step: int, sums: dict[str, float]) -> float:
+    def step(self, model, microbatches: list[MicroBatch], step: int, sums: dict[str, float]) -> float:
         """One optimizer step of the critic ``model`` on the policy step's micro-batches (collective): adds
         the token sums of :data:`CRITIC_METRICS` (and ``tokens``) to ``sums``; returns the gradient norm."""
         model.zero_grad_buffers()
         with wire.category("gradients"):
             outputs = model.forward_backward(microbatches, self.loss_fn, forward_only=False)
         for out in outputs:
-            for key, value in zip(("tokens", *CRITIC_METRICS), out["metrics"].tolist(), strict=True):
+            values = torch.stack(list(out["metrics"].values())).tolist()  # one transfer per micro-batch
+            for key, value in zip(out["metrics"], values, strict=True):
                 sums[key] += value
         check_finite(outputs, step, what="the critic's value loss")
         with wire.category("gradients"):
             _, norm = model.optimizer_step(step)
         return norm
 
-    def loss_fn(self, mb: dict, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def loss_fn(self, mb: MicroBatch, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Megatron's loss function for one micro-batch: (loss sum, tokens, metrics) with the metrics
-        ``[tokens, then the token sums of CRITIC_METRICS]``."""
+        ``tokens`` and the token sums of :data:`CRITIC_METRICS`, by name."""
         values = values[:, :-1]
-        mask = mb["loss_mask"]
-        per_token, clipped = self.loss(values, mb["returns"], mb["old_values"])
+        mask = mb.loss_mask
+        per_token, clipped = self.loss(values, mb.returns, mb.old_values)
         loss_sum = (per_token * mask).sum()
         finite = torch.isfinite(loss_sum)
         if not finite:
             loss_sum = torch.nan_to_num(loss_sum) * 0
-        row = torch.stack([mask.sum(), (per_token * mask).sum(), (clipped * mask).sum(), (values * mask).sum()])
-        return loss_sum, mask.sum().to(torch.int), {"metrics": row.detach().float(), "finite": finite}
+        sums = [mask.sum(), (per_token * mask).sum(), (clipped * mask).sum(), (values * mask).sum()]
+        metrics = {k: v.detach().float() for k, v in zip(("tokens", *CRITIC_METRICS), sums, strict=True)}
+        return loss_sum, mask.sum().to(torch.int), {"metrics": metrics, "finite": finite}
 
 
-def sample_values(model, microbatches: list[dict], n_samples: int) -> list[torch.Tensor] | None:
+def sample_values(model, microbatches: list[MicroBatch], n_samples: int) -> list[torch.Tensor] | None:
     """Per-sample values of the completion tokens' states under the critic ``model`` (forward only);
     ``None`` on pipeline stages other than the last."""
     return per_sample_forward(model, microbatches, n_samples, lambda mb, values: values[:, :-1])

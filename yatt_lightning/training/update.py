@@ -20,7 +20,7 @@ from yatt_lightning.models.logprobs import (
     token_logprobs,
 )  # fmt: skip
 from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices
-from yatt_lightning.training.batch import TrainingBatch
+from yatt_lightning.training.batch import MicroBatch, TrainingBatch
 from yatt_lightning.training.cost_model import Work, microbatch_work
 from yatt_lightning.training.critic import CRITIC_METRICS, sample_values
 from yatt_lightning.training.step_metrics import reduce_token_metrics
@@ -34,7 +34,7 @@ class PolicyUpdate:
         penalty, from the engine's logprobs of the sampled tokens against the reference's), and the
         critic's values; and the KL's figures. Collective (the reference's and the critic's forwards)."""
         self.trainer.strategy.rollout.prepare_training()
-        batch, everything, figures = TrainingBatch(rollouts), list(range(len(rollouts))), {}
+        batch, everything, figures = TrainingBatch.of(rollouts), list(range(len(rollouts))), {}
         tokens = rollouts.token_rewards
         if self.kl_in_reward:
             ref = share_with_pipeline(self.compute_logprobs(self.reference, batch, everything))
@@ -60,7 +60,7 @@ class PolicyUpdate:
         Returns the update's figures: the token means of :data:`_TOKEN_METRICS`, ``grad_norm`` and
         ``logprob_diff_max`` (logged as ``actor/...``), and the load balancer's, logged under their names."""
         self.trainer.strategy.rollout.prepare_training()
-        batch, figures = TrainingBatch(rollouts, advantages), {}
+        batch, figures = TrainingBatch.of(rollouts, advantages), {}
         if self.balancer is not None:
             with wire.category("rollout"):
                 rebalanced = self.balancer.rebalance(self, batch)
@@ -75,7 +75,7 @@ class PolicyUpdate:
         # ones (``_loss_fn``), which saves a forward pass over every token.
         if self.reference is not None and not self.kl_in_reward:
             ref = self.compute_logprobs(self.reference, batch, everything)
-        batch = TrainingBatch(batch.rollouts, batch.advantages, old_logprobs=old, ref_logprobs=ref)
+        batch = TrainingBatch(batch.samples, batch.advantages, old_logprobs=old, ref_logprobs=ref)
         sums: dict[str, float] = defaultdict(float)
         critic_sums: dict[str, float] = defaultdict(float)
         grad_norms, critic_norms = [], []
@@ -91,7 +91,7 @@ class PolicyUpdate:
                 with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
                     outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
-                    for key, value in zip(("tokens", *self.token_metrics), out["metrics"].tolist(), strict=True):
+                    for key, value in _named_sums(out["metrics"]):
                         sums[key] += value
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
@@ -114,55 +114,47 @@ class PolicyUpdate:
             stats.update(reduce_token_metrics(controller, critic_sums, CRITIC_METRICS))
             stats["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         stats["logprob_diff_max"] = (
-            max_abs_difference(old, batch.rollouts.rollout_logprobs) if old is not None else forward_diff
+            max_abs_difference(old, batch.samples.rollout_logprobs) if old is not None else forward_diff
         )
         return {**stats, **figures}
 
 
-    def loss(self, logprobs, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, logprobs, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``[b, s-1]`` and per-token metrics for one micro-batch."""
-        advantages = mb["advantages"]
+        advantages = mb.advantages
         advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
-        per_token, metrics = self.algorithm(logprobs, mb["old_logprobs"], advantages, mb["loss_mask"])
+        per_token, metrics = self.algorithm(logprobs, mb.old_logprobs, advantages, mb.loss_mask)
         if self.off_policy_correction is not None:
-            weight, more = self.off_policy_correction(mb["old_logprobs"], mb["rollout_logprobs"])
+            weight, more = self.off_policy_correction(mb.old_logprobs, mb.rollout_logprobs)
             per_token = per_token * weight
             metrics.update(more)
         metrics = {"pg_loss": per_token.detach(), **metrics}
         if self.reference is not None and not self.kl_in_reward:
-            kl = self.kl_estimator(logprobs, mb["ref_logprobs"])
+            kl = self.kl_estimator(logprobs, mb.ref_logprobs)
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = kl.detach()
         return per_token, metrics
 
 
     # ------------------------------------------------------------------ internals
-    def _loss_fn(self, mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _loss_fn(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         logits = logits[:, :-1]
-        logprobs = token_logprobs(logits, mb["input_ids"][:, 1:], self.sampling.temperature)
-        mask = mb["loss_mask"]
-        if "old_logprobs" not in mb:  # on-policy: the behaviour policy is the current one
-            mb = {**mb, "old_logprobs": logprobs.detach()}
-        diff = ((logprobs.detach() - mb["rollout_logprobs"]).abs() * mask).max() if mask.any() else torch.zeros(())
+        logprobs = token_logprobs(logits, mb.input_ids[:, 1:], self.sampling.temperature)
+        mask = mb.loss_mask
+        if mb.old_logprobs is None:  # on-policy: the behaviour policy is the current one
+            mb = mb.replace(old_logprobs=logprobs.detach())
+        diff = ((logprobs.detach() - mb.rollout_logprobs).abs() * mask).max() if mask.any() else torch.zeros(())
         per_token, metrics = self.loss(logprobs, mb)
         metrics["entropy"] = token_entropy(logits, self.sampling.temperature)
         weights, count = self.loss_aggregation.weights(mask, self.sampling.max_new_tokens)
         loss_sum = (per_token * weights).sum()
-        row = [mask.sum()] + [
-            (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in self.token_metrics
-        ]
+        sums = {"tokens": mask.sum()}  # each metric's sum over the loss tokens, by name
+        sums.update({k: (metrics[k] * mask).sum() if k in metrics else torch.zeros(()) for k in self.token_metrics})
         finite = torch.isfinite(loss_sum)
         if not finite:  # keep the schedule going so every rank reaches the check after it
             loss_sum = torch.nan_to_num(loss_sum) * 0
-        return (
-            loss_sum,
-            count,
-            {
-                "metrics": torch.stack([v.detach().float() for v in row]),
-                "finite": finite,
-                "logprob_diff_max": diff,
-            },
-        )
+        metrics_out = {k: v.detach().float() for k, v in sums.items()}
+        return loss_sum, count, {"metrics": metrics_out, "finite": finite, "logprob_diff_max": diff}
 
     def _grad_sync_seconds(self) -> float:
         """Seconds the policy and the critic have waited in their gradient synchronisation so far."""
@@ -173,10 +165,16 @@ class PolicyUpdate:
         stages other than the last)."""
         return sample_logprobs(model, self.microbatches(batch, indices), len(batch), self.sampling.temperature)
 
-    def microbatches(self, batch: TrainingBatch, indices: list[int]) -> list[dict]:
+    def microbatches(self, batch: TrainingBatch, indices: list[int]) -> list[MicroBatch]:
         """Micro-batches of ``micro_batch_size`` samples, or under the load balancer's token budget."""
         budget = getattr(self.balancer, "max_tokens_per_micro_batch", None)
         overhead = getattr(self.balancer, "micro_batch_overhead_tokens", 0)
         plan = batch.plan_by_tokens(indices, budget, overhead) if budget else None
         pixels = self.images.pixels if self.images is not None else None
         return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan, pixels=pixels)
+
+
+def _named_sums(metrics: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
+    """A micro-batch's metric sums as (name, value), read from the device in one transfer."""
+    values = torch.stack(list(metrics.values())).tolist()
+    return list(zip(metrics, values, strict=True))
