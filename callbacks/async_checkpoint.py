@@ -1,9 +1,9 @@
 """AsyncCheckpoint: checkpoints written in the background, at safe points, on preemption, at the end.
 
-What a step waits for is the copy of the state (on CPU, a memcpy of the tensors into host buffers reused
-from save to save, then written by a thread of the training process; on GPU, Megatron's device-to-host
-copy, then Megatron-Core's asynchronous ``dist_checkpointing`` writers in a forked process) and the
-planning collectives (see :func:`yatt_lightning.checkpoint.folder.async_calls_queue`). A
+What a step waits for is the planning collectives and, on GPU, Megatron's device-to-host copy (then
+Megatron-Core's asynchronous ``dist_checkpointing`` writers in a forked process); on CPU a thread of the
+training process writes from the training tensors themselves, and the next optimizer step first copies
+what it has not written yet (see :mod:`yatt_lightning.checkpoint.writer`). A
 checkpoint becomes visible (renamed from ``.tmp``, then named by the ``latest`` tracker) only after
 every rank's writers finished and the manifest of sizes and checksums is on disk; only then is
 "checkpoint saved" logged. See :mod:`yatt_lightning.checkpoint.folder` for the format.

@@ -7,8 +7,8 @@ trains which sequence (:mod:`yatt_lightning.training.balance_plan`): it predicts
 time from a cost model (per padded token, per sequence squared for attention, per micro-batch, and the
 bytes and latency of the exchange; :mod:`yatt_lightning.training.cost_model`) fitted from this run's own
 measured steps, and moves sequences only where the predicted saving exceeds the move's cost by
-``min_saving`` of the step. Every rank computes the decision from the same gathered figures and DP rank
-0's is broadcast, so there is no coordinator and no rank can disagree. Moving sequences point to point
+``min_saving`` of the step. Every rank computes the decision from the same gathered figures, and DP rank
+0's split (every sequence's new owner) is broadcast, so there is no coordinator and no rank can disagree. Moving sequences point to point
 carries only what training needs (token ids, engine logprobs, advantages, and for image rows the images'
 references, never their pixels); each owner keeps its own rollouts for rewards and logging, so nothing
 has to come back. A sequence's length counts its image tokens (the prompt ids hold them expanded).
@@ -91,7 +91,7 @@ class DPLoadBalancer(Callback):
         self.min_saving = min_saving
         self.enabled = enabled
         self.model = TrainCostModel(micro_batch_overhead_tokens)
-        self._last: tuple[Work, float] | None = None  # this rank's last step, until the next gather
+        self._last: tuple[Work, float, float] | None = None  # this rank's last step (work, compute s, exchange s)
         self._exchange: tuple[Work, float] = (Work(0.0, 0.0, 0.0), 0.0)  # this step's exchange and its seconds
 
     @override
@@ -102,7 +102,7 @@ class DPLoadBalancer(Callback):
     def measured(self, work: Work, compute_seconds: float) -> None:
         """This rank's trained work and compute seconds for the step just updated (the update reports it)."""
         exchange_work, exchange_s = self._exchange
-        self._last = (work + exchange_work, compute_seconds + exchange_s)
+        self._last = (work + exchange_work, compute_seconds, exchange_s)
 
     def rebalance(self, module, batch: TrainingBatch) -> Rebalanced:
         """This rank's share of the step's sequences after balancing (collective over the DP group). Only
@@ -119,22 +119,27 @@ class DPLoadBalancer(Callback):
         samples = batch.samples
         group = ps.get_data_parallel_group()
         me = ps.get_data_parallel_rank()
-        last = [*astuple(self._last[0]), self._last[1]] if self._last is not None else [0.0] * 6
+        last = [*astuple(self._last[0]), *self._last[1:]] if self._last is not None else [0.0] * 7
         n = len(samples)
         mine = torch.tensor([*samples.sequence_lengths(), *self._bytes(batch), *last], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(dp)]
         torch.distributed.all_gather(every, mine, group=group)  # equal counts per rank: same shapes
         for figures in every:  # every rank learns the same from the same figures
-            *work, seconds = figures[2 * n :].tolist()
-            self.model.observe(Work(*work), seconds)
+            *work, compute_s, exchange_s = figures[2 * n :].tolist()
+            self.model.observe(Work(*work), compute_s, exchange_s)
         lengths = [int(x) for t in every for x in t[:n].tolist()]
         planner = Planner(self.max_tokens_per_micro_batch, self.micro_batch_overhead_tokens,
-                          module.micro_batch_size, module.ppo_epochs)  # fmt: skip
+                          module.micro_batch_size, module.ppo_epochs, module.mini_batches)  # fmt: skip
         choice = choose_parts(lengths, dp, self.model, planner, [x for t in every for x in t[n : 2 * n].tolist()],
                               decide_by=self.decide_by, min_saving=self.min_saving)  # fmt: skip
-        moves = torch.tensor([int(choice.moves and self.enabled)], dtype=torch.long)
-        torch.distributed.broadcast(moves, group_src=0, group=group)  # rank 0's decision stands for all
-        parts = choice.parts if moves.item() else [list(range(r * n, (r + 1) * n)) for r in range(dp)]
+        # Rank 0's split stands for all (a fit on another machine's floating point could differ in a tie).
+        owners = torch.arange(dp * n, dtype=torch.long) // n
+        if choice.moves and self.enabled:
+            for r, part in enumerate(choice.parts):
+                owners[part] = r
+        torch.distributed.broadcast(owners, group_src=0, group=group)
+        parts = [torch.nonzero(owners == r).flatten().tolist() for r in range(dp)]
+        moves = torch.tensor([int(not torch.equal(owners, torch.arange(dp * n) // n))])
         per_rank_before = [float(t[:n].sum()) for t in every]
         per_rank_after = [float(sum(lengths[i] for i in p)) for p in parts]
         metrics = {

@@ -57,3 +57,30 @@ def test_an_offload_of_the_training_tensor_does_not_change_what_is_read():
         a.set_(torch.empty(0))
     assert [t.tolist() for _, t in pairs] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
     snapshot.close()
+
+
+def test_a_writer_that_fails_in_the_middle_of_a_tensor_never_blocks_the_next_step():
+    """A full disk while `a` is being written: the writer thread ends (close), and the optimizer step's
+    settle returns at once instead of waiting for a tensor that will never be finished."""
+    a, b = torch.zeros(4), torch.ones(4)
+    snapshot = LiveSnapshot()
+    pairs = snapshot.take(_buckets(a, b))[0][2][1]
+    next(pairs)  # `a` is being written ... and the write fails: Megatron's loop is gone, the generator paused
+    snapshot.close()  # what the writer thread does last, success or failure
+    settled = threading.Thread(target=live_state.before_update)
+    settled.start()
+    settled.join(timeout=5)
+    assert not settled.is_alive()
+
+
+def test_a_new_save_is_not_touched_by_an_old_saves_paused_writer():
+    snapshot = LiveSnapshot()
+    old_pairs = snapshot.take(_buckets(torch.zeros(4)))[0][2][1]
+    next(old_pairs)
+    snapshot.close()
+    a = torch.ones(4)
+    pairs = snapshot.take(_buckets(a))[0][2][1]  # the same item index as the old save's
+    old_pairs.close()  # what the garbage collector would do later
+    item, tensor = next(pairs)
+    assert tensor is not None and tensor.data_ptr() == a.data_ptr()
+    snapshot.close()

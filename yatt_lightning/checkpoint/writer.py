@@ -64,7 +64,9 @@ class LiveSnapshot:
 
     def __init__(self) -> None:
         self._buffers: dict = {}
-        self._items: dict = {}  # item index -> [write item, tensor (alias or copy), state]
+        self._items: dict = {}  # of the current save: item index -> [write item, tensor (alias or copy), state]
+        self._pairs: list = []  # the current save's generators of (write item, tensor), one per bucket
+        self._closed = True
         self._cond = threading.Condition()
         self.writer: threading.Thread | None = None  # the thread that reads the tensors now
         self.copied_bytes = 0
@@ -73,49 +75,56 @@ class LiveSnapshot:
         if self.writer is not None:
             self.writer.join()  # never hand out a buffer a writer still reads (the callback joined it already)
         with self._cond:
-            self._items, self.copied_bytes = {}, 0
+            items: dict = {}
+            self._items, self._closed, self.copied_bytes, self._pairs = items, False, 0, []
             staged = []
             for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
                 keys = []
                 for item, tensor in tensor_data:
                     # An alias: its own sizes over the same storage, so an offload that swaps the training
                     # tensor's storage out (``MegatronPolicy.offload`` on CPU) does not change what is read.
-                    self._items[item.index] = [item, tensor.detach(), _PENDING]
+                    items[item.index] = [item, tensor.detach(), _PENDING]
                     keys.append(item.index)
-                staged.append((file_name, storage_key, (bytes_data, self._iterate(keys))))
+                self._pairs.append(self._iterate(items, keys))
+                staged.append((file_name, storage_key, (bytes_data, self._pairs[-1])))
         live_state.register(self)
         return staged
 
-    def _iterate(self, keys: list) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The (write item, tensor) pairs of one bucket, for Megatron's writer loop: a pair counts as written
-        once the loop asks for the next one (or ends)."""
+    def _iterate(self, items: dict, keys: list) -> Iterator[tuple[Any, torch.Tensor]]:
+        """The (write item, tensor) pairs of one bucket of the save whose entries are ``items``, for
+        Megatron's writer loop: a pair counts as written once the loop asks for the next one (or ends)."""
         current = None
         try:
             for key in keys:
                 with self._cond:
-                    self._finish(current)
-                    entry = self._items[key]
+                    self._finish(items, current)
+                    entry = items[key]
                     if entry[2] == _PENDING:
                         entry[2] = _WRITING
                     current, pair = key, (entry[0], entry[1])
+                if pair[1] is None:
+                    raise RuntimeError("the checkpoint's snapshot was closed before its writer read every tensor")
                 yield pair
         finally:
             with self._cond:
-                self._finish(current)
+                self._finish(items, current)
 
-    def _finish(self, key) -> None:
+    def _finish(self, items: dict, key) -> None:
         if key is not None:
-            entry = self._items[key]
+            entry = items[key]
             entry[1], entry[2] = None, _DONE
             self._cond.notify_all()
 
     def settle(self) -> None:
         """Before the training state changes: copy every tensor the writer has not reached, then wait for
-        the one it is writing (it reads the copies from now on)."""
+        the one it is writing (it reads the copies from now on). Returns at once once the writer is done or
+        failed (:meth:`close`)."""
         with self._cond:
+            if self._closed:
+                return
             buffers = {}
             for key, entry in self._items.items():
-                if entry[2] != _PENDING:
+                if entry[2] != _PENDING or entry[1] is None:
                     continue
                 tensor, buf = entry[1], self._buffers.get(key)
                 if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
@@ -124,15 +133,18 @@ class LiveSnapshot:
                 entry[1], entry[2] = buf, _COPIED
                 self.copied_bytes += tensor.numel() * tensor.element_size()
             self._buffers = buffers
-            while any(entry[2] == _WRITING for entry in self._items.values()):
+            while not self._closed and any(entry[2] == _WRITING for entry in self._items.values()):
                 self._cond.wait()
 
     def close(self) -> None:
-        """The writer is done (or failed): nothing is read any more."""
+        """The writer is done, or failed (perhaps in the middle of a tensor): nothing is read any more."""
         live_state.unregister(self)
+        for pairs in self._pairs:  # a writer that failed left its bucket's generator paused: end it
+            pairs.close()
         with self._cond:
+            self._closed, self._pairs = True, []
             for entry in self._items.values():
-                entry[1] = None
+                entry[1], entry[2] = None, _DONE
             self._cond.notify_all()
 
 

@@ -64,7 +64,7 @@ class MegatronPolicy(torch.nn.Module):
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.settings = optimizer
         self.offloaded = False
-        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU offload: (tensor, its copy)
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU offload: (tensor, an alias of its storage)
         self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
         with megatron_cpu_context():
             model_parallel_manual_seed(seed)

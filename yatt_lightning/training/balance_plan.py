@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from yatt_lightning.rollout.batch import mini_batch_slices
 from yatt_lightning.training.cost_model import TrainCostModel, Work, plan_work
 from yatt_lightning.training.packing import pack_by_tokens, packed_cost
 from yatt_lightning.training.partition import balanced_partition, swap_path
@@ -31,25 +32,28 @@ DECIDE_BY = ("cost", "tokens")
 
 @dataclass(frozen=True)
 class Planner:
-    """How the update cuts a rank's sequences into micro-batches: under ``token_budget`` (packed, with
-    ``overhead_tokens`` per micro-batch) or ``micro_batch_size`` samples each; ``passes`` training passes
-    over them per step (``ppo_epochs``)."""
+    """How the update cuts a rank's sequences into micro-batches: ``mini_batches`` mini-batches (of a
+    shuffled order: here, consecutive slices stand for them), each under ``token_budget`` (packed, with
+    ``overhead_tokens`` per micro-batch) or in ``micro_batch_size`` samples; ``passes`` training passes over
+    them per step (``ppo_epochs``)."""
 
     token_budget: int | None
     overhead_tokens: int
     micro_batch_size: int
     passes: int = 1
+    mini_batches: int = 1
 
     def work(self, lengths: list[int]) -> Work:
-        if not lengths:
-            return Work(0.0, 0.0, 0.0)
-        if self.token_budget:
-            plan = pack_by_tokens(lengths, self.token_budget, self.overhead_tokens)
-        else:
-            plan = [list(range(s, min(s + self.micro_batch_size, len(lengths))))
-                    for s in range(0, len(lengths), self.micro_batch_size)]  # fmt: skip
-        w = plan_work(lengths, plan)
-        return Work(w.tokens * self.passes, w.attention * self.passes, w.micro_batches * self.passes)
+        total = Work(0.0, 0.0, 0.0)
+        for part in mini_batch_slices(len(lengths), self.mini_batches):
+            mini = lengths[part]
+            if self.token_budget:
+                plan = pack_by_tokens(mini, self.token_budget, self.overhead_tokens)
+            else:
+                plan = [list(range(s, min(s + self.micro_batch_size, len(mini))))
+                        for s in range(0, len(mini), self.micro_batch_size)]  # fmt: skip
+            total = total + plan_work(mini, plan)
+        return Work(total.tokens * self.passes, total.attention * self.passes, total.micro_batches * self.passes)
 
 
 @dataclass(frozen=True)
