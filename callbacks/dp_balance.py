@@ -133,24 +133,25 @@ class DPLoadBalancer(Callback):
         choice = choose_parts(lengths, dp, self.model, planner, [x for t in every for x in t[n : 2 * n].tolist()],
                               decide_by=self.decide_by, min_saving=self.min_saving)  # fmt: skip
         # Rank 0's split stands for all (a fit on another machine's floating point could differ in a tie).
-        owners = torch.arange(dp * n, dtype=torch.long) // n
+        own = torch.arange(dp * n, dtype=torch.long) // n
+        owners = own.clone()
         if choice.moves and self.enabled:
             for r, part in enumerate(choice.parts):
                 owners[part] = r
         torch.distributed.broadcast(owners, group_src=0, group=group)
         parts = [torch.nonzero(owners == r).flatten().tolist() for r in range(dp)]
-        moves = torch.tensor([int(not torch.equal(owners, torch.arange(dp * n) // n))])
+        moved = int((owners != own).sum())
         per_rank_before = [float(t[:n].sum()) for t in every]
         per_rank_after = [float(sum(lengths[i] for i in p)) for p in parts]
         metrics = {
             "balance/imbalance_before": max(per_rank_before) / (sum(per_rank_before) / dp),
             "balance/imbalance_after": max(per_rank_after) / (sum(per_rank_after) / dp),
             "balance/bytes_received": 0.0,
-            "balance/moved": float(choice.moved if moves.item() else 0),
-            "balance/predicted_saving": choice.predicted_unmoved - choice.predicted if moves.item() else 0.0,
+            "balance/moved": float(moved),
+            "balance/predicted_saving": choice.predicted_unmoved - choice.predicted if moved else 0.0,
             "balance/model_error": self.model.rms_error if self.model.fitted else 0.0,
         }
-        if not moves.item():
+        if not moved:
             return Rebalanced(batch, metrics)
         start = time.perf_counter()
         mine_ids = range(me * n, (me + 1) * n)

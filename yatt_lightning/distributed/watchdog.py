@@ -16,6 +16,7 @@ one side), so the two sides of an asynchronous run, which never meet at a step, 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -32,6 +33,19 @@ log = logging.getLogger(__name__)
 _KEY = "yatt/watchdog/{}"
 # A step's stages, in order; "scored": this rank's rewards are done and it waits for every rank's.
 STAGES = ("rollout", "reward", "scored", "train", "checkpoint")
+
+
+def write_stacks(header: str) -> str:
+    """``header`` and every thread's stack to standard error: the library output's file while the run
+    console captures it (else the terminal). Returns where that is, for the screen (a full disk loses
+    the stacks, never the screen)."""
+    from yatt_lightning.run import console
+
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"\n{header}\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    return f"in {console.last_capture}" if console.last_capture else "above"
 
 
 @dataclass(frozen=True)
@@ -142,16 +156,8 @@ class Watchdog:
         else:
             waiting = ", ".join(f"rank {r} (at {p.describe(now)})" for r, p in sorted(ahead.items()))
             message = f"rank {self.rank} is late: it is still at {mine.describe(now)} while {waiting} wait for it"
-        from yatt_lightning.run import console
-
-        try:  # the library output's file while the run console captures it (else the terminal)
-            sys.stderr.write(f"\nwatchdog: {message}\n")
-            sys.stderr.flush()
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except (OSError, ValueError):  # a full disk: the stacks are lost, the screen is not
-            pass
+        where = write_stacks(f"watchdog: {message}")
         if show:
-            where = f"in {console.last_capture}" if console.last_capture else "above"
             logging.getLogger("yatt_lightning").error(
                 "watchdog: %s. Every thread's stack of each rank is in its log (rank %d's %s); the deadline is "
                 "`trainer.strategy.watchdog_minutes`.", message, self.rank, where,

@@ -13,13 +13,13 @@ cannot be unwound from inside the engine). The peers' collectives then fail, and
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
+
+from yatt_lightning.distributed.watchdog import write_stacks
 
 log = logging.getLogger("yatt_lightning")
 
@@ -57,18 +57,12 @@ class StepDeadline:
             since = self._since
             if since is None or time.monotonic() - since < self.timeout_s:
                 continue
-            from yatt_lightning.run import console
-
             rank = os.environ.get("RANK", "0")
             message = (
                 f"the rollout engine's step did not return within {self.timeout_s:g} s (`{self.key}`) on rank "
                 f"{rank}, while {self._what}"
             )
-            with contextlib.suppress(OSError, ValueError):  # a full disk: the stacks are lost, the screen is not
-                sys.stderr.write(f"\nengine deadline: {message}\n")  # the library output's file, while captured
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
-            where = f"in {console.last_capture}" if console.last_capture else "above"
+            where = write_stacks(f"engine deadline: {message}")
             log.error(
                 "engine deadline: %s. The engine, or a peer it waits for, is stuck; every thread's stack is in "
                 "the log (%s). Raise `%s` if a step can take this long.", message, where, self.key,

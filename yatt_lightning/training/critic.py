@@ -23,6 +23,7 @@ from yatt_lightning.models.logprobs import per_sample_forward
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.training.batch import MicroBatch
 from yatt_lightning.training.optim import OptimizerSettings
+from yatt_lightning.training.step_metrics import add_metric_sums
 
 # The critic's per-token figures of a step, averaged over its tokens for logging.
 CRITIC_METRICS = ("critic/value_loss", "critic/clip_fraction", "critic/value_mean")
@@ -73,9 +74,7 @@ class Critic:
         with wire.category("gradients"):
             outputs = model.forward_backward(microbatches, self.loss_fn, forward_only=False)
         for out in outputs:
-            values = torch.stack(list(out["metrics"].values())).tolist()  # one transfer per micro-batch
-            for key, value in zip(out["metrics"], values, strict=True):
-                sums[key] += value
+            add_metric_sums(sums, out["metrics"])
         check_finite(outputs, step, what="the critic's value loss")
         with wire.category("gradients"):
             _, norm = model.optimizer_step(step)

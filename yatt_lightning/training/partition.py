@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Iterator
 
 
@@ -30,8 +31,8 @@ def balanced_partition(weights: list[float], k: int, max_swaps: int = 200) -> li
 
 
 def _refine_by_swaps(weights: list[float], parts: list[list[int]], max_swaps: int) -> list[list[int]]:
-    path = [parts, *swap_path(weights, parts, max_swaps)]
-    return sorted((sorted(p) for p in path[-1]), key=lambda p: p[0])
+    last = deque(swap_path(weights, parts, max_swaps), maxlen=1)  # only where the path ends
+    return sorted((sorted(p) for p in (last[0] if last else parts)), key=lambda p: p[0])
 
 
 def swap_path(weights: list[float], parts: list[list[int]], max_swaps: int = 200) -> Iterator[list[list[int]]]:

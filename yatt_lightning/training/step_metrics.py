@@ -127,6 +127,13 @@ def _per_rank(world_size: int, times: dict[str, float], rank_figures: dict[str, 
     return out
 
 
+def add_metric_sums(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's metric sums (by name, as its loss function returned them) to ``sums``, read
+    from the device in one transfer."""
+    for key, value in zip(metrics, torch.stack(list(metrics.values())).tolist(), strict=True):
+        sums[key] += value
+
+
 def reduce_token_metrics(controller, sums: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
     """Per-token means over every rank of the step's summed token metrics (``sums["tokens"]`` counts them)."""
     keys = ("tokens", *names)

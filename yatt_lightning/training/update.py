@@ -23,7 +23,7 @@ from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch
 from yatt_lightning.training.cost_model import Work, microbatch_work
 from yatt_lightning.training.critic import CRITIC_METRICS, sample_values
-from yatt_lightning.training.step_metrics import reduce_token_metrics
+from yatt_lightning.training.step_metrics import add_metric_sums, reduce_token_metrics
 
 
 class PolicyUpdate:
@@ -91,8 +91,7 @@ class PolicyUpdate:
                 with wire.category("gradients"):  # Megatron's DDP reduces the gradients at the schedule's end
                     outputs = self.policy.forward_backward(mbs, self._loss_fn, forward_only=False)
                 for out in outputs:
-                    for key, value in _named_sums(out["metrics"]):
-                        sums[key] += value
+                    add_metric_sums(sums, out["metrics"])
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
                 first_forward = False
@@ -172,9 +171,3 @@ class PolicyUpdate:
         plan = batch.plan_by_tokens(indices, budget, overhead) if budget else None
         pixels = self.images.pixels if self.images is not None else None
         return batch.microbatches(indices, self.micro_batch_size, self.tokenizer.pad_token_id, plan=plan, pixels=pixels)
-
-
-def _named_sums(metrics: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
-    """A micro-batch's metric sums as (name, value), read from the device in one transfer."""
-    values = torch.stack(list(metrics.values())).tolist()
-    return list(zip(metrics, values, strict=True))
