@@ -21,14 +21,18 @@ After a warm-up (one async block, one sync block: the first save of each kind), 
 the none block next to it (ABBA order), both arms in the same process on the same model, state sizes and
 kind of batches. Between blocks, outside the timed span, older checkpoints are deleted synchronously.
 
-    extra per save = median over pairs of (async block - none block)
+What a block is charged is its *window*: its steps from the save's position on, and the next block's
+clean steps. A save's cost does not end with its block: the block after a save starts slower (the kernel
+still writes its pages back, the writer's memory is returned), so a window holds everything that one save
+costs the loop, and nothing of the save before it (a sync block's after-effect lands in the next async
+block's clean steps, which no window of the pairs holds; with whole blocks it was charged to the async arm,
+and an async block's after-effect to the none block after it).
+
+    extra per save = median over pairs of (async window - none window)
     stall_ratio    = extra per save / median synchronous save time
 
-A second estimator takes each block as its own baseline: what its steps from the save on took, less what
-its clean steps predict for them (``within``), the none block's same difference subtracted; printed as
-``within_ratio``. It cancels the drift from block to block (+-10% here, 1-2 s on 10 s blocks: more than a
-save costs) but not an after-effect of the block before (a sync save's write-back slowing the next
-block's first steps), so it is not the headline figure.
+The older estimators are printed too: whole blocks (``whole_ratio``) and each block against its own clean
+steps (``within_ratio``).
 
     python bench/async_ckpt.py [--size medium|small] [--every 6] [--clean 2] [--repeats 4] [--smoke] [overrides]
 
@@ -37,6 +41,8 @@ Last line: ``stall_ratio=<x>``; target <= 0.2 at the default size.
 
 from __future__ import annotations
 
+import json
+import random
 import resource
 import statistics
 import sys
@@ -56,6 +62,7 @@ MEDIUM = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8,
           "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip
 WARMUP = ["async", "sync"]
 PATTERN = ["async", "none", "none", "async", "sync"]
+TAIL = ["none"]  # the last sync block's window needs the next block's clean steps
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Block:
     arm: str
     steps_s: list[float] = field(default_factory=list)  # wall time of each step, its save work included
     steps_cpu_s: list[float] = field(default_factory=list)  # the trainer's CPU time in each step
+    steps_main_cpu_s: list[float] = field(default_factory=list)  # of its main thread alone (not the writer's)
     steps_faults: list[int] = field(default_factory=list)  # the trainer's minor faults in each step
     cpu_s: float = 0.0  # CPU time of the training process (all threads; copy-on-write faults count as system time)
     minor_faults: int = 0  # of the training process: copy-on-write faults after a fork are minor faults
@@ -86,16 +94,19 @@ class Blocks(Callback):
         self.blocks: list[Block] = []  # warm-up included
         self.sync_s: list[float] = []  # synchronous saves (measured blocks only)
         self.async_call_s: list[float] = []  # time inside the async save call and the safe-point finalisations
+        self.writer: list[tuple[float, int, float]] = []  # CPU writer: its span, bytes copied at settle, settle s
         self._done = 0
         self._mark = 0.0  # end of the previous step (or of the previous block's clean-up)
         self._step_usage = (0.0, 0, 0.0)
         self._usage_at_start = (0.0, 0, 0.0)
         self._stall_at_start = 0.0  # the saver's own time at the safe points (its non-blocking finalisations)
         self._call = 0.0
+        self._main_cpu = 0.0
 
     def _open_block(self) -> None:
         self.blocks.append(Block(self.plan[len(self.blocks)]))
         self._usage_at_start = self._step_usage = _usage()
+        self._main_cpu = time.thread_time()  # the callbacks run in the training (main) thread
         self._stall_at_start = self.saver.stall_seconds
         self._mark = time.perf_counter()
 
@@ -104,7 +115,8 @@ class Blocks(Callback):
         block.steps_s.append(now - self._mark)
         block.steps_cpu_s.append(usage[0] - self._step_usage[0])
         block.steps_faults.append(usage[1] - self._step_usage[1])
-        self._mark, self._step_usage = now, usage
+        block.steps_main_cpu_s.append(time.thread_time() - self._main_cpu)
+        self._mark, self._step_usage, self._main_cpu = now, usage, time.thread_time()
 
     @override
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
@@ -134,6 +146,9 @@ class Blocks(Callback):
         block.cpu_s, block.minor_faults, block.children_cpu_s = cpu, int(faults), kids
         if block.arm == "async" and measured:
             self.async_call_s.append(self._call + self.saver.stall_seconds - self._stall_at_start + end - t0)
+            snapshot = getattr(self.saver._queue, "snapshot", None)  # the CPU writer's (checkpoint/writer.py)
+            if snapshot is not None:
+                self.writer.append((snapshot.write_s, snapshot.copied_bytes, snapshot.settle_s))
         if trainer.is_global_zero:
             for old in ckpt.complete_checkpoints(self.saver.dirpath)[1:]:
                 ckpt.remove(old)
@@ -143,15 +158,15 @@ class Blocks(Callback):
 
 def _options(argv: list[str]) -> tuple[dict, list[str]]:
     """Pop this bench's options from ``argv``; the rest are yatt CLI overrides."""
-    opts = {"size": "medium", "every": 6, "clean": 2, "repeats": 4, "smoke": False}
+    opts = {"size": "medium", "every": 6, "clean": 2, "repeats": 4, "smoke": False, "dump": None}
     rest: list[str] = []
     it = iter(argv)
     for arg in it:
         if arg == "--smoke":
             opts["smoke"] = True
-        elif arg in ("--size", "--every", "--clean", "--repeats"):
+        elif arg in ("--size", "--every", "--clean", "--repeats", "--dump"):
             value = next(it)
-            opts[arg[2:]] = value if arg == "--size" else int(value)
+            opts[arg[2:]] = value if arg in ("--size", "--dump") else int(value)
         else:
             rest.append(arg)
     if opts["smoke"]:
@@ -168,7 +183,7 @@ def main() -> None:
 
     opts, overrides = _options(sys.argv[1:])
     every, repeats = opts["every"], opts["repeats"]
-    plan = WARMUP + PATTERN * repeats
+    plan = WARMUP + PATTERN * repeats + TAIL
     if opts["size"] == "tiny":
         model = "builtin:tiny-qwen2"
     elif opts["size"] == "small":
@@ -188,6 +203,11 @@ def main() -> None:
             return
         newest = ckpt.complete_checkpoints(Path(tmp))[0]
         size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+    if opts["dump"]:  # every step's time, to compare estimators on the same run
+        Path(opts["dump"]).write_text(json.dumps({
+            "every": every, "clean": opts["clean"], "size": size, "sync_s": blocks.sync_s,
+            "blocks": [{"arm": b.arm, "steps_s": b.steps_s, "main_cpu_s": b.steps_main_cpu_s, "cpu_s": b.steps_cpu_s}
+                       for b in blocks.blocks]}))  # fmt: skip
     report(blocks, every, size, opts["clean"])
 
 
@@ -198,17 +218,46 @@ def within(block: Block, clean: int) -> float:
     return sum(steps[clean:]) - (len(steps) - clean) / clean * sum(steps[:clean])
 
 
+def step_windows(blocks: list[Block], clean: int) -> list[list[float]]:
+    """Each block's window as a list of steps: its steps from the save's position on, then the next
+    block's clean steps (the last block, the tail, has none after it: its window is short)."""
+    return [
+        block.steps_s[clean:] + (blocks[i + 1].steps_s[:clean] if i + 1 < len(blocks) else [])
+        for i, block in enumerate(blocks)
+    ]
+
+
+def positional_extra(async_windows: list[list[float]], none_windows: list[list[float]]) -> float:
+    """Sum over the window's positions of (median async step - median none step): each step's median over
+    the arm's blocks, so one slow step (the machine's, not the save's) moves a median by little."""
+    return sum(
+        statistics.median(w[p] for w in async_windows) - statistics.median(w[p] for w in none_windows)
+        for p in range(len(async_windows[0]))
+    )
+
+
+def bootstrap(values_of, repeats: int, samples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of ``values_of(chosen repeats)`` over the pattern's repeats drawn with replacement."""
+    rng = random.Random(seed)
+    got = sorted(values_of([rng.randrange(repeats) for _ in range(repeats)]) for _ in range(samples))
+    return got[int(0.025 * samples)], got[int(0.975 * samples) - 1]
+
+
 def report(blocks: Blocks, every: int, size: int, clean: int) -> None:
-    measured = blocks.blocks[len(WARMUP) :]
+    timed = blocks.blocks[len(WARMUP) :]
+    steps_of = dict(zip(map(id, timed), step_windows(timed, clean), strict=True))
+    window = {key: sum(steps) for key, steps in steps_of.items()}
+    measured = timed[: len(timed) - len(TAIL)]
     per = len(PATTERN)
     pairs = []  # (async block, none block) side by side: positions 0-1 and 3-2 of each pattern
     sync_extra = []
     for r in range(0, len(measured), per):
         a1, n1, n2, a2, s = measured[r : r + per]
         pairs += [(a1, n1), (a2, n2)]
-        sync_extra.append(s.wall_s - (n1.wall_s + n2.wall_s) / 2)
-    extras = [a.wall_s - n.wall_s for a, n in pairs]
+        sync_extra.append(window[id(s)] - (window[id(n1)] + window[id(n2)]) / 2)
+    extras = [window[id(a)] - window[id(n)] for a, n in pairs]
     extra = statistics.median(extras)
+    whole = statistics.median([a.wall_s - n.wall_s for a, n in pairs])
     within_extras = [within(a, clean) - within(n, clean) for a, n in pairs]
     within_extra = statistics.median(within_extras)
     sync = statistics.median(blocks.sync_s)
@@ -218,12 +267,15 @@ def report(blocks: Blocks, every: int, size: int, clean: int) -> None:
 
     print(f"checkpoint size: {size / 2**20:.0f} MiB; blocks of {every} steps; {len(pairs)} async/none pairs")
     print("blocks (s): " + " ".join(f"{b.arm[0]}{b.wall_s:.2f}" for b in measured))
-    print("medians per step of the block: wall ms / the trainer's CPU ms / its minor faults (thousands)")
+    print("medians per step of the block: wall ms / the trainer's CPU ms (its main thread's + its other threads', the writer's among them) / its "
+          "minor faults (thousands)")  # fmt: skip
     for arm in ("none", "async", "sync"):
         these = [b for b in measured if b.arm == arm]
         steps = [
             f"{statistics.median(b.steps_s[i] for b in these) * 1000:.0f}/"
-            f"{statistics.median(b.steps_cpu_s[i] for b in these) * 1000:.0f}/"
+            f"{statistics.median(b.steps_cpu_s[i] for b in these) * 1000:.0f}"
+            f"({statistics.median(b.steps_main_cpu_s[i] for b in these) * 1000:.0f}+"
+            f"{statistics.median(b.steps_cpu_s[i] - b.steps_main_cpu_s[i] for b in these) * 1000:.0f})/"
             f"{statistics.median(b.steps_faults[i] for b in these) / 1000:.0f}k"
             for i in range(every)
         ]
@@ -233,16 +285,40 @@ def report(blocks: Blocks, every: int, size: int, clean: int) -> None:
             "(forked ones only)"
         )
     mean = statistics.mean(extras)
-    print(f"async - none, per pair, whole blocks (ms): {ms(extras)}; median {extra * 1000:.0f}, mean {mean * 1000:.0f}")
+    print(f"async - none, per pair, windows from the save on (ms): {ms(extras)}; median {extra * 1000:.0f}, "
+          f"mean {mean * 1000:.0f}")  # fmt: skip
+    print(f"async - none, per pair, whole blocks: median {whole * 1000:.0f} ms (whole_ratio={whole / sync:.3f})")
     print(f"async - none, per pair, each block against its {clean} clean steps (ms): {ms(within_extras)}; median "
           f"{within_extra * 1000:.0f}, mean {statistics.mean(within_extras) * 1000:.0f} (within_ratio={within_extra / sync:.3f})")  # fmt: skip
     print(f"sync save (ms): {ms(blocks.sync_s)}; median {sync * 1000:.0f}; sync block - its none blocks (ms): "
-          f"{ms(sync_extra)}")  # fmt: skip
+          f"{ms(sync_extra)} (windows)")  # fmt: skip
     print(f"async: time inside the save call and the finalisations per save (the old measure; ms): "
           f"{ms(blocks.async_call_s)}")  # fmt: skip
+    if blocks.writer:
+        print("CPU writer per save: span s / MiB the next optimizer step copied / its ms in settle: " + ", ".join(
+            f"{w:.2f}/{c / 2**20:.0f}/{st * 1000:.0f}" for w, c, st in blocks.writer))  # fmt: skip
     print(f"totals: (sum async - sum none) / (sync x saves) = {sum(extras) / (sync * len(extras)):.3f}")
     # An asynchronous save's call returns before its write: if it wrote in the call, this would be ~1.
     print(f"async_call_over_sync={statistics.median(blocks.async_call_s) / sync:.3f}")
+    per = len(PATTERN)
+    repeats = len(measured) // per
+
+    def ratios(chosen: list[int]) -> dict[str, float]:
+        """The two estimators over the chosen repeats of the pattern (a repeat may be chosen twice)."""
+        blocks_ = [b for r in chosen for b in measured[r * per : (r + 1) * per]]
+        chosen_pairs = [pair for r in chosen for pair in pairs[2 * r : 2 * r + 2]]
+        chosen_sync = statistics.median(blocks.sync_s[r] for r in chosen)
+        arm = {name: [steps_of[id(b)] for b in blocks_ if b.arm == name] for name in ("async", "none")}
+        return {
+            "windows": statistics.median(window[id(a)] - window[id(n)] for a, n in chosen_pairs) / chosen_sync,
+            "positions": positional_extra(arm["async"], arm["none"]) / chosen_sync,
+        }
+
+    positions = ratios(list(range(repeats)))["positions"]
+    for name in ("windows", "positions"):
+        low, high = bootstrap(lambda chosen, n=name: ratios(chosen)[n], repeats)
+        print(f"{name}: 95% interval over the repeats {low:.3f} .. {high:.3f}")
+    print(f"positions_ratio={positions:.3f}")
     print(f"stall_ratio={extra / sync:.3f}", flush=True)
 
 

@@ -84,3 +84,22 @@ def test_a_new_save_is_not_touched_by_an_old_saves_paused_writer():
     item, tensor = next(pairs)
     assert tensor is not None and tensor.data_ptr() == a.data_ptr()
     snapshot.close()
+
+
+def test_the_writer_thread_yields_to_training():
+    """The writer runs at the lowest priority (a per-thread nice value): where the cores are busy, the
+    training thread goes first. The calling thread keeps its own priority."""
+    import os
+
+    from yatt_lightning.checkpoint.writer import WRITER_NICE, _run_writer
+
+    seen = []
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = threading.Thread(
+        target=_run_writer,
+        args=(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), (), {}, LiveSnapshot()),
+    )
+    writer.start()
+    writer.join(timeout=10)
+    assert seen == [WRITER_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from yatt_lightning.checkpoint import direct_io
 from yatt_lightning.checkpoint.listing import (  # noqa: F401 (public here too)
     TRACKER,
     checkpoint_step,
@@ -46,7 +47,7 @@ from yatt_lightning.checkpoint.listing import (  # noqa: F401 (public here too)
     tracked,
 )
 from yatt_lightning.checkpoint.verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
-from yatt_lightning.checkpoint.writer import _write_buckets_in_order, async_calls_queue  # noqa: F401
+from yatt_lightning.checkpoint.writer import _write_buckets_in_order, async_calls_queue, without_zip_crc  # noqa: F401
 from yatt_lightning.distributed import failures
 from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
@@ -132,22 +133,31 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
         strategy.barrier("checkpoint-rollout-parts")
         if strategy.role == "rollout":
             return None
-    with megatron_cpu_context():
+    # On CPU a synchronous save is the asynchronous one's request run here: the same writer (files past the
+    # page cache, checksums as they are written), so the two differ only in when the writing happens.
+    staged = asynchronous or cpu_mode()
+    if staged:
+        start_write_results_queue()
+    with megatron_cpu_context(), without_zip_crc():  # a synchronous save on GPU writes here (or in its forks)
         request = dist_checkpointing.save(
-            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
+            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=staged
         )
     rank = strategy.global_rank
+    write = request.async_fn if staged else None
+    if write is not None and cpu_mode():
+        write = partial(_write_buckets_in_order, *write.args)  # (transforms, use_msc) of Megatron's writer
     if asynchronous:
-        # Checksums are computed by the background writer, right after it wrote this rank's shards,
-        # so the step loop never reads the shards back.
-        write = request.async_fn
-        if write is not None and cpu_mode():
-            write = partial(_write_buckets_in_order, *write.args)  # (transforms, use_msc) of Megatron's writer
+        # Checksums are computed by the background writer, as it writes this rank's shards, so the step
+        # loop never reads the shards back.
         request = request._replace(async_fn=partial(_write_and_describe, write, tmp, rank, state_bytes))
         request.add_finalize_fn(partial(finalize, strategy, final))
         return request
     with failures.fail_together(_trainers_group(strategy)):
-        _write_and_describe(None, tmp, rank, state_bytes)
+        _write_and_describe(write, tmp, rank, state_bytes, *(request.async_fn_args if staged else ()))
+    if staged:
+        with megatron_cpu_context():
+            for finalize_fn in request.finalize_fns:  # Megatron's: its write results, its metadata
+                finalize_fn()
     return None
 
 
@@ -218,7 +228,8 @@ def _write_and_describe(write, tmp: Path, rank: int, state_bytes: bytes, *args, 
     ``manifest_rank<r>.json``. Runs in the background process when the save is asynchronous. A failure
     of our part leaves ``error_rank<r>.txt`` (when the disk lets it) for :func:`finalize` to report."""
     if write is not None:
-        write(*args, **kwargs)
+        with without_zip_crc():
+            write(*args, **kwargs)
     try:
         _write_durable(trainer_state_file(tmp, rank), state_bytes)
         files = [trainer_state_file(tmp, rank), *sorted((tmp / WEIGHTS).glob(f"__{rank}_*"))]
@@ -375,5 +386,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _describe(path: Path) -> dict:
-    """Size and checksum of a file written for a checkpoint, which is also made durable here."""
+    """Size and checksum of a file written for a checkpoint, durable once this returns: as its writer
+    computed them (``direct_io``, already fsynced), or read back here and fsynced."""
+    known = direct_io.take_description(path)
+    if known is not None:
+        return {"size": known[0], "crc32": known[1]}
     return {"size": path.stat().st_size, "crc32": _crc32(path, fsync=True)}

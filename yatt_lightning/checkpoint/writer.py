@@ -15,15 +15,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from yatt_lightning.checkpoint.direct_io import DirectFile
 from yatt_lightning.models import live_state
 from yatt_lightning.models.cpu import cpu_mode
 
@@ -70,6 +73,9 @@ class LiveSnapshot:
         self._cond = threading.Condition()
         self.writer: threading.Thread | None = None  # the thread that reads the tensors now
         self.copied_bytes = 0
+        self.settle_s = 0.0  # of the current save: the training thread's time in settle (copies and the wait)
+        self.write_s = 0.0  # of the last save that ended: from take to close (the writer's whole span)
+        self._taken_at = 0.0
 
     def take(self, write_buckets: list) -> list:
         if self.writer is not None:
@@ -77,6 +83,7 @@ class LiveSnapshot:
         with self._cond:
             items: dict = {}
             self._items, self._closed, self.copied_bytes, self._pairs = items, False, 0, []
+            self.settle_s, self._taken_at = 0.0, time.perf_counter()
             staged = []
             for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
                 keys = []
@@ -122,6 +129,7 @@ class LiveSnapshot:
         with self._cond:
             if self._closed:
                 return
+            t0 = time.perf_counter()
             buffers = {}
             for key, entry in self._items.items():
                 if entry[2] != _PENDING or entry[1] is None:
@@ -135,6 +143,7 @@ class LiveSnapshot:
             self._buffers = buffers
             while not self._closed and any(entry[2] == _WRITING for entry in self._items.values()):
                 self._cond.wait()
+            self.settle_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """The writer is done, or failed (perhaps in the middle of a tensor): nothing is read any more."""
@@ -142,6 +151,8 @@ class LiveSnapshot:
         for pairs in self._pairs:  # a writer that failed left its bucket's generator paused: end it
             pairs.close()
         with self._cond:
+            if not self._closed:
+                self.write_s = time.perf_counter() - self._taken_at
             self._closed, self._pairs = True, []
             for entry in self._items.values():
                 entry[1], entry[2] = None, _DONE
@@ -202,10 +213,33 @@ def _thread_calls_queue_class() -> type:
     return ThreadCallsQueue
 
 
+WRITER_NICE = 19
+
+
+@contextlib.contextmanager
+def without_zip_crc() -> Iterator[None]:
+    """Megatron writes each tensor with ``torch.save``, whose zip container gets a CRC-32 of every record:
+    miniz's, about 0.3 GB/s here, so half the writer's CPU for a 582 MiB checkpoint. ``torch.load`` never
+    checks it (a corrupted byte loads silently); what a resume checks is the manifest's CRC-32 of every
+    file (``checkpoint/verify.py``). Process-wide while it lasts (torch has one switch): a ``torch.save``
+    elsewhere in the process meanwhile writes records without it, which load the same."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 def _run_writer(fn, args, kwargs, snapshot: LiveSnapshot) -> None:
     """The writer thread. Megatron's writes report failures through the results queue and ours through
     ``error_rank<r>.txt``; finalisation raises them on every rank. This only keeps a traceback in the
-    library output's log (not on the terminal: the failure's one screen comes from finalisation)."""
+    library output's log (not on the terminal: the failure's one screen comes from finalisation).
+
+    The thread runs at the lowest priority (Linux keeps a nice value per thread): where the cores are
+    busy (another job, an engine beside the trainer) training goes first and the writer takes what is
+    left; that delays only its own end, which the next save (or the run's end) waits for."""
+    _lower_priority()
     try:
         fn(*args, **kwargs)
     except BaseException:
@@ -216,26 +250,59 @@ def _run_writer(fn, args, kwargs, snapshot: LiveSnapshot) -> None:
         snapshot.close()
 
 
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not permitted: the default priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+
+
 def _write_buckets_in_order(transform_list, use_msc, rank: int, write_buckets: list, results_queue) -> None:
     """``FileSystemWriterAsync.write_preloaded_data_multiproc`` of megatron-core 0.16.1 without its fork
     of one process per bucket: the buckets are written one after another in the calling (writer) thread,
-    each file fsynced, and the results reach ``results_queue`` in the same form (a dict of each bucket's
-    results, or the first exception)."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    # Unwrapped from Megatron's `_disable_gc`, which would switch the garbage collector of the whole
-    # process off and on from this thread while the training thread runs.
-    write_bucket = FileSystemWriterAsync.write_preloaded_data.__wrapped__
-    local_results, count = queue.Queue(), queue.Queue()
+    each file past the page cache and fsynced (:mod:`~yatt_lightning.checkpoint.direct_io`), and the
+    results reach ``results_queue`` in the same form (a dict of each bucket's results, or the first
+    exception)."""
     results: dict | Exception = {}
     for i, bucket in enumerate(write_buckets):
-        count.put(i)
-        extra = {"use_msc": use_msc} if use_msc else {}
-        write_bucket(transform_list, i, bucket, local_results, count, True, **extra)
-        idx, result = local_results.get()
-        if isinstance(result, Exception):
-            log.debug("checkpoint bucket %d of rank %d failed: %s", idx, rank, result)
-            results = result
+        try:
+            results[i] = _write_bucket(transform_list, bucket, use_msc)
+        except Exception as err:  # Megatron's writer reports a failure this way, finalisation raises it
+            log.debug("checkpoint bucket %d of rank %d failed: %s", i, rank, err)
+            results = err
             break
-        results[idx] = result
     results_queue.put(results)
+
+
+def _write_bucket(transform_list, bucket, use_msc: bool) -> list:
+    """One bucket's file as Megatron's ``write_preloaded_data`` writes it (its items in order through torch
+    DCP's ``_write_item``; the same write results), into a :class:`~yatt_lightning.checkpoint.direct_io.DirectFile`."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _write_item = filesystem_async._write_item  # torch DCP's, as Megatron calls it (``models/cpu.py`` wraps it)
+    if use_msc:  # Megatron's multi-storage client: its own writer, through the page cache
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        # Unwrapped from Megatron's `_disable_gc`, which would switch the garbage collector of the whole
+        # process off and on from this thread while the training thread runs.
+        local, count = queue.Queue(), queue.Queue()
+        count.put(0)
+        FileSystemWriterAsync.write_preloaded_data.__wrapped__(transform_list, 0, bucket, local, count, True, use_msc=True)
+        result = local.get()[1]
+        if isinstance(result, Exception):
+            raise result
+        return result
+    extra = {}
+    if "serialization_format" in inspect.signature(_write_item).parameters:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        extra["serialization_format"] = SerializationFormat.TORCH_SAVE
+    file_name, storage_key, (bytes_data, tensor_data) = bucket
+    stream = DirectFile(file_name)
+    try:
+        results = [_write_item(*transform_list, stream, data, item, storage_key, **extra) for item, data in bytes_data]
+        for item, tensor in tensor_data:
+            results.append(_write_item(*transform_list, stream, tensor, item, storage_key, **extra))
+    finally:
+        stream.close()
+    return results
