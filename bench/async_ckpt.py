@@ -300,7 +300,6 @@ def report(blocks: Blocks, every: int, size: int, clean: int) -> None:
     print(f"totals: (sum async - sum none) / (sync x saves) = {sum(extras) / (sync * len(extras)):.3f}")
     # An asynchronous save's call returns before its write: if it wrote in the call, this would be ~1.
     print(f"async_call_over_sync={statistics.median(blocks.async_call_s) / sync:.3f}")
-    per = len(PATTERN)
     repeats = len(measured) // per
 
     def ratios(chosen: list[int]) -> dict[str, float]:

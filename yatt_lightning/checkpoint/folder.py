@@ -133,31 +133,22 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
         strategy.barrier("checkpoint-rollout-parts")
         if strategy.role == "rollout":
             return None
-    # On CPU a synchronous save is the asynchronous one's request run here: the same writer (files past the
-    # page cache, checksums as they are written), so the two differ only in when the writing happens.
-    staged = asynchronous or cpu_mode()
-    if staged:
-        start_write_results_queue()
-    with megatron_cpu_context(), without_zip_crc():  # a synchronous save on GPU writes here (or in its forks)
+    with megatron_cpu_context(), without_zip_crc():  # a synchronous save writes here (or in its forks)
         request = dist_checkpointing.save(
-            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=staged
+            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
         )
     rank = strategy.global_rank
-    write = request.async_fn if staged else None
-    if write is not None and cpu_mode():
-        write = partial(_write_buckets_in_order, *write.args)  # (transforms, use_msc) of Megatron's writer
     if asynchronous:
-        # Checksums are computed by the background writer, as it writes this rank's shards, so the step
-        # loop never reads the shards back.
+        # Checksums are computed by the background writer as it writes this rank's shards (on CPU), or
+        # right after (on GPU), so the step loop never reads the shards back.
+        write = request.async_fn
+        if write is not None and cpu_mode():
+            write = partial(_write_buckets_in_order, *write.args)  # (transforms, use_msc) of Megatron's writer
         request = request._replace(async_fn=partial(_write_and_describe, write, tmp, rank, state_bytes))
         request.add_finalize_fn(partial(finalize, strategy, final))
         return request
     with failures.fail_together(_trainers_group(strategy)):
-        _write_and_describe(write, tmp, rank, state_bytes, *(request.async_fn_args if staged else ()))
-    if staged:
-        with megatron_cpu_context():
-            for finalize_fn in request.finalize_fns:  # Megatron's: its write results, its metadata
-                finalize_fn()
+        _write_and_describe(None, tmp, rank, state_bytes)
     return None
 
 

@@ -219,9 +219,9 @@ WRITER_NICE = 19
 @contextlib.contextmanager
 def without_zip_crc() -> Iterator[None]:
     """Megatron writes each tensor with ``torch.save``, whose zip container gets a CRC-32 of every record:
-    miniz's, about 0.3 GB/s here, so half the writer's CPU for a 582 MiB checkpoint. ``torch.load`` never
-    checks it (a corrupted byte loads silently); what a resume checks is the manifest's CRC-32 of every
-    file (``checkpoint/verify.py``). Process-wide while it lasts (torch has one switch): a ``torch.save``
+    one more pass over every byte of the checkpoint, which ``torch.load`` never checks (a corrupted byte
+    loads silently); what a resume checks is the manifest's CRC-32 of every file
+    (``checkpoint/verify.py``), computed as the file is written (``direct_io``). Process-wide while it lasts (torch has one switch): a ``torch.save``
     elsewhere in the process meanwhile writes records without it, which load the same."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
