@@ -103,16 +103,16 @@ def _publish_over_bare(strategy, module) -> dict:
     torch.distributed.broadcast(version, src=0)
     version = int(version)
     size = torch.zeros(1, dtype=torch.int64)
+    if strategy.role == "train":
+        size[0] = sum(t.numel() * t.element_size() for _, t in module.policy.export_hf())
     times = {"publish": [], "bare": []}
     bare = None
     for repeat in range(REPEATS):  # alternating, best of each: a transfer of ~40 ms moves 4x with the load
         for what in ("publish", "bare"):
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            if what == "publish" and strategy.role == "train":
-                named = list(module.policy.export_hf())
-                size[0] = sum(t.numel() * t.element_size() for _, t in named)
-                placement.publisher.publish(WEIGHTS, version + repeat, -1, named)
+            if what == "publish" and strategy.role == "train":  # exported as it is sent, as the trainer does
+                placement.publisher.publish(WEIGHTS, version + repeat, -1, module.policy.export_hf())
                 placement.publisher.flush(placement.timeout_s)
             elif what == "publish":
                 placement.receiver.wait(lambda s, v=version + repeat: s.latest >= v, f"version {version + repeat}",

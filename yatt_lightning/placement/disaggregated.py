@@ -273,9 +273,7 @@ class Disaggregated(Placement):
         """Resumed trainer, before its first step: the version it loaded, which the rollout ranks' engines
         (started from the base model) need."""
         if self.must_republish:
-            named = list(export()) if rank() < self.model_parallel else None
-            if self.publisher is not None:
-                self.publisher.publish(WEIGHTS, self.updates, self.steps - 1, named)
+            self._publish_weights(self.steps - 1, export)
             self.must_republish = False
 
     def publish(self, step: int, updated: bool, export) -> float:
@@ -286,12 +284,19 @@ class Disaggregated(Placement):
         if updated:
             self.updates += 1
         if updated and self.updates % self.publish_every == 0:
-            named = list(export()) if rank() < self.model_parallel else None  # data-parallel rank 0's group
-            if self.publisher is not None:
-                self.publisher.publish(WEIGHTS, self.updates, step, named)
+            self._publish_weights(step, export)
         elif self.publisher is not None:
             self.publisher.publish(ACK, self.updates, step)
         return time.perf_counter() - t0
+
+    def _publish_weights(self, step: int, export) -> None:
+        """Data-parallel rank 0's model-parallel group exports (a collective); its first rank publishes,
+        reading the export as it sends (the others only take part in the export's gathers)."""
+        if self.publisher is not None:
+            self.publisher.publish(WEIGHTS, self.updates, step, export())
+        elif rank() < self.model_parallel:
+            for _ in export():
+                pass
 
     # ------------------------------------------------------------------ failures and the end
     def tell_failure(self, error: BaseException) -> None:

@@ -3,8 +3,11 @@
 One trainer (global rank 0, the head of data-parallel rank 0's model-parallel group) broadcasts on a
 group of itself and the rollout ranks. Every message starts with a fixed-size header (kind, version, the
 trainer's consumed step, the size of what follows), so a rollout rank can post the header's receive and
-poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index and
-the tensors packed into buckets of at most ``bucket_bytes`` (one broadcast each); an ``ACK`` carries
+poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index (only
+when it differs from the last one sent: a policy's names and shapes do not change from version to
+version, so the header's size is ``SAME_INDEX`` and the buckets follow it at once) and the tensors packed
+into buckets (one broadcast each) that grow from ``FIRST_BUCKET`` to ``bucket_bytes``, so the first
+one is on the wire after a short copy and each later copy overlaps the send before it; an ``ACK`` carries
 nothing (a step whose batch was dropped: no new version, but the producer learns the trainer moved on);
 a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the trainers' :class:`SaveDecision` of a
 step (checkpoint and stop, or go on), which the rollout ranks follow at their own safe point. The trainer's broadcasts are asynchronous (gloo runs them on
@@ -28,7 +31,9 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
 
 WEIGHTS, ACK, DECISION, FAILURE = 1, 0, 2, 3
+SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
 ALIGN = 16  # bytes
+FIRST_BUCKET = 1 << 20  # bytes; each next bucket may be twice the one before, up to ``bucket_bytes``
 
 
 @dataclass
@@ -59,16 +64,21 @@ class SaveDecision:
         return self.signal is not None
 
 
-def layout(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[int]]:
-    """Where each tensor goes in flat byte buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket
-    of its own), each tensor aligned so its bytes can be viewed as its dtype again; and each bucket's size.
-    Reads only shapes: the index is sent before any bucket is filled."""
+def layout(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, first_bytes: int | None = None
+) -> tuple[list[_Entry], list[int]]:
+    """Where each tensor goes in flat byte buckets (a tensor bigger than its bucket's cap gets a bucket of
+    its own), each tensor aligned so its bytes can be viewed as its dtype again; and each bucket's size.
+    Bucket k holds at most ``min(bucket_bytes, first_bytes * 2**k)`` (``first_bytes`` defaults to
+    ``bucket_bytes``: every cap equal). Reads only shapes: the index is sent before any bucket is filled."""
+    cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
     entries, sizes, size = [], [], 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
         offset = size + (-size % ALIGN)
-        if size and offset + nbytes > bucket_bytes:
+        if size and offset + nbytes > cap:
             sizes.append(size)
+            cap = min(2 * cap, bucket_bytes)
             offset = 0
         entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(sizes), offset, nbytes))
         size = offset + nbytes
@@ -77,22 +87,34 @@ def layout(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[li
     return entries, sizes
 
 
-def fill(
-    named: list[tuple[str, torch.Tensor]], entries: list[_Entry], bucket: int, size: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Bucket ``bucket``: a copy of its tensors (one copy each, strided or not), so the trainer may step on
-    while it is sent; into ``out`` (``size`` bytes) when given."""
-    out = torch.empty(size, dtype=torch.uint8) if out is None else out
-    for (_, tensor), e in zip(named, entries, strict=True):
-        if e.bucket == bucket:
-            out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensor.detach())
+def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
+    """The tensors as flat byte buckets (:func:`layout`), each a copy (the trainer may step on while it
+    is sent), and the index that unpacks them."""
+    entries, sizes = layout(named, bucket_bytes)
+    tensors = iter(named)
+    by_bucket = _by_bucket(entries, len(sizes))
+    return entries, [_fill_next(tensors, these, torch.empty(size, dtype=torch.uint8)) for these, size in zip(by_bucket, sizes, strict=True)]
+
+
+def _by_bucket(entries: list[_Entry], buckets: int) -> list[list[_Entry]]:
+    out: list[list[_Entry]] = [[] for _ in range(buckets)]
+    for e in entries:
+        out[e.bucket].append(e)
     return out
 
 
-def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
-    """The tensors as flat byte buckets (:func:`layout`, :func:`fill`) and the index that unpacks them."""
-    entries, sizes = layout(named, bucket_bytes)
-    return entries, [fill(named, entries, b, size) for b, size in enumerate(sizes)]
+def _fill_next(tensors, entries: list[_Entry], out: torch.Tensor) -> torch.Tensor:
+    """One bucket from the next tensors of ``tensors``, which must be the index's ``entries`` in order
+    (a policy's names, shapes and dtypes are the same in every version)."""
+    for e in entries:
+        name, tensor = next(tensors, (None, None))
+        if name != e.name or tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+            got = "nothing" if name is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
+            raise RuntimeError(
+                f"the policy's export changed since its first version: expected {e.name} {e.shape} {e.dtype}, got {got}"
+            )
+        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensor.detach())
+    return out
 
 
 def unpack(entries: list[_Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -108,29 +130,42 @@ class WeightPublisher:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.pending: list = []  # (work, tensor): kept alive until sent
         self.pool = _Pool()  # buckets already sent, refilled by the next version (its layout is the same)
+        self._sent_index: tuple | None = None  # (entries, bucket sizes, entries by bucket): sent once
 
     def publish(
         self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
     ) -> float:
-        """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
+        """Send one message; returns the seconds spent here (packing and posting, not the transfer).
+
+        ``named`` (``WEIGHTS``) may be a lazy iterator (``export_hf``): once the index is known it is read
+        bucket by bucket, so exporting the next tensors overlaps the send of the bucket before them."""
         t0 = time.perf_counter()
         self._reap()
-        sizes: list[int] = []
+        size = None
         if kind == WEIGHTS:
-            named = list(named)
-            entries, sizes = layout(named, self.bucket_bytes)
-            body = pickle.dumps(entries)
+            if self._sent_index is None:  # the first version: its shapes make the index, sent once
+                named = list(named)
+                entries, sizes = layout(named, self.bucket_bytes, FIRST_BUCKET)
+                self._sent_index = (entries, sizes, _by_bucket(entries, len(sizes)))
+                body = pickle.dumps(entries)
+            else:
+                body, size = b"", SAME_INDEX
         elif kind == DECISION:
             body = pickle.dumps(decision)
         else:
             body = cause.encode()
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
-        header = torch.tensor([kind, version, consumed, payload.numel()], dtype=torch.int64)
+        header = torch.tensor([kind, version, consumed, payload.numel() if size is None else size], dtype=torch.int64)
         with wire.category("weights"):
             self._send(header)
             self._send(payload)
-            for bucket, size in enumerate(sizes):  # bucket k is on the wire (gloo's thread) while k + 1 fills
-                self._send(fill(named, entries, bucket, size, self.pool.get(size)))
+            if kind == WEIGHTS:
+                entries, sizes, by_bucket = self._sent_index
+                tensors = iter(named)
+                for size, these in zip(sizes, by_bucket, strict=True):  # bucket k is on the wire (gloo's thread)
+                    self._send(_fill_next(tensors, these, self.pool.get(size)))  # while k + 1 fills
+                if next(tensors, None) is not None:
+                    raise RuntimeError(f"the policy exports more tensors than the {len(entries)} of its first version")
         return time.perf_counter() - t0
 
     def _send(self, tensor: torch.Tensor) -> None:
@@ -173,6 +208,7 @@ class WeightReceiver:
         self.pool = _Pool()  # buckets of versions the engine has copied in
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
+        self.index: list[_Entry] = []  # of the last WEIGHTS message (a next one may say it is the same)
         self._post()
 
     def _post(self) -> None:
@@ -185,9 +221,9 @@ class WeightReceiver:
         while self.work.is_completed():
             self.work.wait()
             kind, version, consumed, size = self.header.tolist()
-            payload = torch.empty(size, dtype=torch.uint8)
+            payload = torch.empty(max(size, 0), dtype=torch.uint8)
             with wire.category("weights"):
-                if size:
+                if size > 0:
                     torch.distributed.broadcast(payload, src=self.src, group=self.group)
                 if kind == FAILURE:
                     raise RankFailure(self.src, payload.numpy().tobytes().decode(), agreed=False,
@@ -195,7 +231,9 @@ class WeightReceiver:
                 if kind == DECISION:
                     self.state.decisions.append(pickle.loads(payload.numpy().tobytes()))
                 if kind == WEIGHTS:
-                    entries: list[_Entry] = pickle.loads(payload.numpy().tobytes())
+                    if size != SAME_INDEX:
+                        self.index = pickle.loads(payload.numpy().tobytes())
+                    entries = self.index
                     sizes: dict[int, int] = {}
                     for e in entries:
                         sizes[e.bucket] = max(sizes.get(e.bucket, 0), e.offset + e.nbytes)
