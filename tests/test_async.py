@@ -14,7 +14,7 @@ import torch
 from tests.helpers import REPO, read_scalars, run, yatt
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.placement import Disaggregated
-from yatt_lightning.placement.weight_channel import _by_bucket, _fill_next, layout, pack, unpack
+from yatt_lightning.placement.weight_channel import fill, layout, pack, unpack
 
 SCRIPT = REPO / "tests" / "scripts" / "async_fit.py"
 
@@ -63,16 +63,13 @@ def test_weights_travel_in_buckets_and_come_back_bitwise():
     assert not torch.equal(named[0][1], unpack(entries, buckets)[0][1])
 
 
-
 def test_buckets_grow_from_a_small_first_one_and_a_later_version_must_match_the_index():
     named = [(str(i), torch.zeros(4)) for i in range(16)]  # 16 bytes each
     entries, sizes = layout(named, bucket_bytes=64, first_bytes=16)
     assert sizes == [16, 32, 64, 64, 64, 16]  # caps 16, 32, 64, then bucket_bytes: the first copy is short
     changed = [*named[:3], ("3", torch.zeros(5)), *named[4:]]  # a later export whose shapes differ
     with pytest.raises(RuntimeError, match=r"expected 3 \(4,\) torch.float32, got 3 \(5,\) torch.float32"):
-        tensors = iter(changed)
-        for these, size in zip(_by_bucket(entries, len(sizes)), sizes, strict=True):
-            _fill_next(tensors, these, torch.empty(size, dtype=torch.uint8))
+        list(fill(changed, entries, sizes, (torch.empty(size, dtype=torch.uint8) for size in sizes)))
 
 
 # ---------------------------------------------------------------------------------------------- real runs

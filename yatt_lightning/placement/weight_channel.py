@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -91,9 +92,18 @@ def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list
     """The tensors as flat byte buckets (:func:`layout`), each a copy (the trainer may step on while it
     is sent), and the index that unpacks them."""
     entries, sizes = layout(named, bucket_bytes)
+    buffers = (torch.empty(size, dtype=torch.uint8) for size in sizes)
+    return entries, list(fill(named, entries, sizes, buffers))
+
+
+def fill(named, entries: list[_Entry], sizes: list[int], buffers) -> Iterator[torch.Tensor]:
+    """Each bucket in turn, filled from ``named`` (read lazily, tensor by tensor) into the next of
+    ``buffers`` (one of each bucket's size); ``named`` must be the index's tensors in order, no more."""
     tensors = iter(named)
-    by_bucket = _by_bucket(entries, len(sizes))
-    return entries, [_fill_next(tensors, these, torch.empty(size, dtype=torch.uint8)) for these, size in zip(by_bucket, sizes, strict=True)]
+    for these, out in zip(_by_bucket(entries, len(sizes)), buffers, strict=True):
+        yield _fill_next(tensors, these, out)
+    if next(tensors, None) is not None:
+        raise RuntimeError(f"the policy exports more tensors than the {len(entries)} of its first version")
 
 
 def _by_bucket(entries: list[_Entry], buckets: int) -> list[list[_Entry]]:
@@ -130,7 +140,7 @@ class WeightPublisher:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.pending: list = []  # (work, tensor): kept alive until sent
         self.pool = _Pool()  # buckets already sent, refilled by the next version (its layout is the same)
-        self._sent_index: tuple | None = None  # (entries, bucket sizes, entries by bucket): sent once
+        self._sent_index: tuple | None = None  # (entries, bucket sizes) of the first version: sent once
 
     def publish(
         self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
@@ -141,31 +151,29 @@ class WeightPublisher:
         bucket by bucket, so exporting the next tensors overlaps the send of the bucket before them."""
         t0 = time.perf_counter()
         self._reap()
-        size = None
+        header_size = None  # the payload's
         if kind == WEIGHTS:
             if self._sent_index is None:  # the first version: its shapes make the index, sent once
                 named = list(named)
                 entries, sizes = layout(named, self.bucket_bytes, FIRST_BUCKET)
-                self._sent_index = (entries, sizes, _by_bucket(entries, len(sizes)))
+                self._sent_index = (entries, sizes)
                 body = pickle.dumps(entries)
             else:
-                body, size = b"", SAME_INDEX
+                body, header_size = b"", SAME_INDEX
         elif kind == DECISION:
             body = pickle.dumps(decision)
         else:
             body = cause.encode()
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
-        header = torch.tensor([kind, version, consumed, payload.numel() if size is None else size], dtype=torch.int64)
+        header = torch.tensor([kind, version, consumed, payload.numel() if header_size is None else header_size], dtype=torch.int64)
         with wire.category("weights"):
             self._send(header)
             self._send(payload)
             if kind == WEIGHTS:
-                entries, sizes, by_bucket = self._sent_index
-                tensors = iter(named)
-                for size, these in zip(sizes, by_bucket, strict=True):  # bucket k is on the wire (gloo's thread)
-                    self._send(_fill_next(tensors, these, self.pool.get(size)))  # while k + 1 fills
-                if next(tensors, None) is not None:
-                    raise RuntimeError(f"the policy exports more tensors than the {len(entries)} of its first version")
+                entries, sizes = self._sent_index
+                buffers = (self.pool.get(size) for size in sizes)
+                for bucket in fill(named, entries, sizes, buffers):  # bucket k is on the wire (gloo's thread)
+                    self._send(bucket)  # while k + 1 fills
         return time.perf_counter() - t0
 
     def _send(self, tensor: torch.Tensor) -> None:
