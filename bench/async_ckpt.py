@@ -169,8 +169,8 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
             opts[arg[2:]] = value if arg in ("--size", "--dump") else int(value)
         else:
             rest.append(arg)
-    if opts["smoke"]:
-        opts.update(size="tiny", every=3, clean=1, repeats=1)
+    if opts["smoke"]:  # 8 pairs: a median that one slow step (beside another test) cannot move
+        opts.update(size="tiny", every=3, clean=1, repeats=4)
     if not 0 < opts["clean"] < opts["every"] - 1:
         raise SystemExit("--clean must leave the save and one step after it in the block: 0 < clean < every - 1")
     if opts["size"] not in ("medium", "small", "tiny"):

@@ -47,7 +47,8 @@ def check(name: str, figures: dict[str, float]) -> None:
     f = figures
     if name == "algorithms.py":  # every algorithm's tiny config, 30 RL steps: each raises the task reward
         assert f["total"] == 7 and f["learned"] == f["total"]
-    elif name == "async_ckpt.py":  # at 4 MiB the ratio is noisy (the size that counts is in RESULTS.md), but
+    elif name == "async_ckpt.py":  # at 4 MiB the ratio is noisy (the size that counts is in RESULTS.md; the
+        # median of 8 pairs, since one of 2 went to 2.02 beside another test in CI), but
         # an asynchronous save that cost two synchronous ones would be broken
         assert f["stall_ratio"] < 2
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are
