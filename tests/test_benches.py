@@ -47,10 +47,6 @@ def check(name: str, figures: dict[str, float]) -> None:
     f = figures
     if name == "algorithms.py":  # every algorithm's tiny config, 30 RL steps: each raises the task reward
         assert f["total"] == 7 and f["learned"] == f["total"]
-    elif name == "async_ckpt.py":  # at 4 MiB the ratio is noisy (the size that counts is in RESULTS.md; the
-        # median of 8 pairs, since one of 2 went to 2.02 beside another test in CI), but
-        # an asynchronous save that cost two synchronous ones would be broken
-        assert f["stall_ratio"] < 2
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are
         # noise here (bench/RESULTS.md has the full size); what must hold is the structure of the runs
         assert 1.0 <= f["bound"] <= 2.0 and f["x"] > 0.5 and abs(f["gap"]) < 0.2
@@ -95,8 +91,10 @@ def test_bench_runs_at_its_smoke_size(name, tmp_path):
     m = re.fullmatch(LAST_LINE[name], last)
     assert m, f"{name}: last line {last!r} is not in the format bench/RESULTS.md quotes"
     check(name, {k: float(v) for k, v in m.groupdict().items()})
-    if name == "async_ckpt.py":  # the save call returns before the write (it was 0.3 here; ~1 if it wrote inline)
-        ratio = re.search(r"^async_call_over_sync=(\S+)$", proc.stdout, re.M)
-        assert ratio and float(ratio.group(1)) < 0.8, proc.stdout[-2000:]
+    if name == "async_ckpt.py":  # its wall figures at 4 MiB beside another test measure the contention (CI's
+        # stall_ratio was 2.02 and 2.09, 3.7 beside two burned cores, 0.3 quiet); in CPU, the training thread does
+        # little of an async save's work (0.11-0.13 here, quiet or beside two burned cores; ~1 if it wrote inline)
+        share = re.search(r"^main_thread_share=(\S+)$", proc.stdout, re.M)
+        assert share and float(share.group(1)) < 0.5, proc.stdout[-2000:]
     if name == "async_rl.py":  # lag 0 never ran ahead, lag 1 did (by exactly one version), colocated has no lag
         assert "lag0_staleness_max=0 lag1_staleness_max=1 colocated_staleness_max=0" in proc.stdout.splitlines()
