@@ -112,7 +112,7 @@ def _publish_over_bare(strategy, module) -> dict:
             torch.distributed.barrier()
             t0 = time.perf_counter()
             if what == "publish" and strategy.role == "train":  # exported as it is sent, as the trainer does
-                placement.publisher.publish(WEIGHTS, version + repeat, -1, module.policy.export_hf())
+                placement.publisher.publish(WEIGHTS, version + repeat, -1, placement.exported(module.policy.export_hf))
                 placement.publisher.flush(placement.timeout_s)
             elif what == "publish":
                 placement.receiver.wait(lambda s, v=version + repeat: s.latest >= v, f"version {version + repeat}",

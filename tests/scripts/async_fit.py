@@ -66,6 +66,7 @@ class Record(Callback):
             "step": getattr(trainer.strategy.placement, "steps", len(self.steps) + 1) - 1,
             "completions": [list(c) for c in rollouts.completion_ids],
             "rewards": rollouts.rewards.tolist(),
+            "versions": [list(v) for v in rollouts.versions or []],
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
             "trained": "actor/pg_loss" in scalars,
         })  # fmt: skip

@@ -23,15 +23,7 @@ the trainer (default ``max_staleness + 1``). ``max_staleness: 0`` is the synchro
 version a batch used depends on timing (``on_stale: wait`` uses the newest one allowed), and so do the
 numbers; ``on_stale: drop`` is never deterministic.
 
-**Checkpoints** (with :class:`~yatt_lightning.callbacks.AsyncCheckpoint`). After each RL step ``s`` the
-trainers decide (:meth:`decide`: the schedule, the timer, a signal on any rank) whether every rank saves and
-whether the run stops, and tell the rollout ranks. A rollout rank follows the decision of step ``s`` at its
-own safe point after producing step ``s + queue_size - 1`` (it cannot produce further before the trainers'
-step ``s`` anyway): it marks the end of what it sent and joins the save. The checkpoint then holds the
-trainers after step ``s``, the batches they have not trained on yet (steps ``s + 1 .. s + queue_size - 1``,
-held in the trainers' state), and the rollout rank after producing them (its data position and RNG). On
-resume the trainers publish their version first, and the rollout rank goes on from there. With ``fixed_lag``
-a resumed run is bitwise the run that was never interrupted.
+**Checkpoints**: :class:`~yatt_lightning.placement.save_points.SavePoints`.
 """
 
 from __future__ import annotations
@@ -48,14 +40,13 @@ from yatt_lightning.placement.batch_channel import (
     EndOfRun,
     Produced,
     ProducerFailure,
-    SaveMarker,
-    StopRequest,
 )
+from yatt_lightning.placement.save_points import SavePoints
 from yatt_lightning.placement.weight_channel import (
     ACK,
-    DECISION,
     FAILURE,
     WEIGHTS,
+    LiveWeights,
     SaveDecision,
     WeightPublisher,
     WeightReceiver,
@@ -65,7 +56,7 @@ from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest
 ON_STALE = ("wait", "drop")
 
 
-class Disaggregated(Placement):
+class Disaggregated(SavePoints, Placement):
     """Rollout ranks generate continuously; trainer ranks train on what they generated, a bounded lag behind.
 
     Args:
@@ -80,6 +71,9 @@ class Disaggregated(Placement):
             with ``on_stale: wait`` it cannot be more). With ``drop``, a larger queue keeps the producer busy
             and drops what ages past ``max_staleness`` in it.
         bucket_mb: Size of the buckets the weights travel in.
+        in_flight_updates: The engine applies a newer version between its own steps, in the middle of a
+            generation (its samples then record the first and last version of their tokens). Default: on,
+            unless ``fixed_lag`` (which it would make timing-dependent).
         timeout_s: The longest any rank waits for the other side (a batch, a version) before failing.
     """
 
@@ -93,6 +87,7 @@ class Disaggregated(Placement):
         queue_size: int | None = None,
         bucket_mb: float = 16.0,
         timeout_s: float = 600.0,
+        in_flight_updates: bool | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"`trainer.strategy.placement.max_staleness` must be >= 0, got {max_staleness}.")
@@ -111,6 +106,11 @@ class Disaggregated(Placement):
             )
         if queue_size is not None and queue_size < 1:
             raise ValueError(f"`trainer.strategy.placement.queue_size` must be >= 1, got {queue_size}.")
+        if in_flight_updates and fixed_lag:
+            raise ValueError(
+                "`trainer.strategy.placement.in_flight_updates` cannot be true with `fixed_lag`: which tokens a "
+                "version generated would depend on timing (leave it unset)."
+            )
         if bucket_mb <= 0 or timeout_s <= 0:
             raise ValueError("`trainer.strategy.placement.bucket_mb` and `timeout_s` must be > 0.")
         self.rollout_ranks = rollout_ranks
@@ -122,7 +122,8 @@ class Disaggregated(Placement):
         self.steps = 0  # RL steps this rank has produced or consumed
         self.updates = 0  # trainer: versions published so far (the policy's version)
         self.dropped = 0  # trainer: batches dropped as too stale, over the run
-        self.engine_version: int | None = 0  # rollout rank: the version its engine holds (None: resumed, not yet)
+        self.in_flight_updates = in_flight_updates
+        self.live = LiveWeights(live=not fixed_lag if in_flight_updates is None else in_flight_updates)
         self.resume_version = 0  # rollout rank, resumed: the trainers' version it resumes from
         self.must_republish = False  # trainer, resumed: publish the loaded version before anything else
         self.restored: list[Produced] = []  # trainer, resumed: the batches the checkpoint held
@@ -155,6 +156,15 @@ class Disaggregated(Placement):
                 "trainer data-parallel ranks (each rollout rank serves the same number)."
             )
         self.trainers, self.rollout, self.model_parallel = trainers, rollout, model_parallel
+
+    @property
+    def engine_version(self) -> int | None:
+        """Rollout rank: the version its engine holds (None: resumed, not yet loaded)."""
+        return self.live.version
+
+    @engine_version.setter
+    def engine_version(self, version: int | None) -> None:
+        self.live.version = version
 
     @property
     def role(self) -> str:
@@ -190,7 +200,7 @@ class Disaggregated(Placement):
     # ------------------------------------------------------------------ engines and channels
     def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
         from yatt_lightning.rollout.longtail import PartialRollout
-        from yatt_lightning.rollout.vllm_engine import join_engine_groups
+        from yatt_lightning.rollout.vllm_groups import join_engine_groups
 
         if isinstance(setup.long_tail, PartialRollout):
             raise ValueError("`model.long_tail`: PartialRollout with Disaggregated is not supported yet; use WaitForAll.")
@@ -204,8 +214,16 @@ class Disaggregated(Placement):
         self.weights = torch.distributed.new_group([0, *self.rollout], backend="gloo")
         me = rank()
         if me in self.rollout:  # one engine per rollout rank; vLLM builds its groups with every rank at once
+            if self.in_flight_updates and not hasattr(policy_engine.engine, "weight_feed"):
+                raise ValueError(
+                    f"`trainer.strategy.placement.in_flight_updates`: the engine {type(policy_engine.engine).__name__} "
+                    "takes no weights between its steps (it has no `weight_feed`); leave it unset."
+                )
             policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
             self.sender, self.receiver = BatchSender(self.batches, self.timeout_s), WeightReceiver(self.weights, 0)
+            self.live.receiver = self.receiver
+            if self.live.live and hasattr(policy_engine.engine, "weight_feed"):
+                policy_engine.engine.weight_feed = self.live
         else:
             join_engine_groups()
             self.inbox = BatchInbox(self.batches, self.source(me), held=self.restored)
@@ -256,10 +274,12 @@ class Disaggregated(Placement):
     def take(self, step: int) -> tuple[Produced, dict[str, float]]:
         """Step ``step``'s batch and the figures of the wait (``async/*``)."""
         produced, waited, depth = self.inbox.take(step, self.timeout_s)
-        staleness = self.updates - produced.version
+        versions = produced.batch.versions or [(produced.version, produced.version)]
+        staleness = [self.updates - first for first, _ in versions]  # of a sample's oldest tokens
         return produced, {
-            "async/staleness_mean": float(staleness),
-            "async/staleness_max": float(staleness),
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": float(max(staleness)),
+            "async/version_span_max": float(max(last - first for first, last in versions)),  # in-flight updates
             "async/queue_depth": float(depth),
             "async/consumer_idle": waited,
             "async/producer_idle": produced.times["producer_idle"],
@@ -290,13 +310,23 @@ class Disaggregated(Placement):
         return time.perf_counter() - t0
 
     def _publish_weights(self, step: int, export) -> None:
-        """Data-parallel rank 0's model-parallel group exports (a collective); its first rank publishes,
-        reading the export as it sends (the others only take part in the export's gathers)."""
+        """Data-parallel rank 0's model-parallel group exports (a collective); its first rank publishes
+        (the others only take part in the export's gathers)."""
         if self.publisher is not None:
-            self.publisher.publish(WEIGHTS, self.updates, step, export())
+            self.publisher.publish(WEIGHTS, self.updates, step, self.exported(export))
         elif rank() < self.model_parallel:
             for _ in export():
                 pass
+
+    def exported(self, export):
+        """What the publisher sends: with a model-parallel group of one, the export's views of the parameters
+        as a list (their storages go as they are, no copy: :meth:`settle` before the next update); else the
+        export read lazily as it is sent (each tensor is gathered or broadcast as it is read)."""
+        return list(export()) if self.model_parallel == 1 else export()
+
+    def settle(self) -> float:
+        """Trainer, before it changes its parameters: what it sent as it is has left. Returns the seconds waited."""
+        return self.publisher.flush(self.timeout_s, only_direct=True) if self.publisher is not None else 0.0
 
     # ------------------------------------------------------------------ failures and the end
     def tell_failure(self, error: BaseException) -> None:
@@ -323,69 +353,9 @@ class Disaggregated(Placement):
         elif self.publisher is not None:
             self.publisher.flush(self.timeout_s)
 
-    # ------------------------------------------------------------------ save points (AsyncCheckpoint's)
-    def decide(self, save: bool, signal: int | None, global_step: int, final: bool = False) -> SaveDecision:
-        """Trainers, at the safe point after their step: agree (over the trainers) on saving and stopping,
-        counting a signal a rollout rank reported, and tell the rollout ranks."""
-        asked = 0 if final else (self.inbox.stop_requested or 0)  # the run ends here anyway
-        flags = torch.tensor([int(save), signal or 0, asked], dtype=torch.int64)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.controller.group)
-        stop = int(max(flags[1], flags[2])) or None
-        decision = SaveDecision(self.steps - 1, global_step, bool(flags[0]) or stop is not None, stop, self.updates, final)
-        if self.publisher is not None:
-            self.publisher.publish(DECISION, self.updates, self.steps - 1, decision=decision)
-        return decision
-
-    def decisions(self, final: bool = False) -> list[SaveDecision]:
-        """Rollout rank, at its safe point: the trainers' decisions it follows now, oldest first: those of the
-        trainers' steps up to ``queue_size - 1`` behind its own (``final``, at its end: the next ones, until
-        ``trainers_done``)."""
-        until = self.steps - self.queue_size  # the trainers' step whose decision this safe point follows
-        if final:
-            ready, what = (lambda s: bool(s.decisions)), "the trainers' next decision"
-        elif until < 0:
-            return []
-        else:
-            ready, what = (lambda s: any(d.step >= until for d in s.decisions)), f"the trainers' decision of step {until}"
-        self.idle_at_safe_point += self.receiver.wait(ready, what, self.timeout_s)
-        state = self.receiver.state
-        taken = [d for d in state.decisions if final or d.step <= until]
-        state.decisions = state.decisions[len(taken):]
-        self.trainers_done = self.trainers_done or any(d.final for d in taken)
-        return taken
-
-    def request_stop(self, signal: int) -> None:
-        """Rollout rank that received ``signal``: the trainers stop and save at their next safe point."""
-        for trainer in self._trainers_served():
-            self.sender.send(StopRequest(signal), trainer)
-
-    def join_save(self, decision: SaveDecision) -> None:
-        """Rollout rank, before saving for ``decision``: what it sent so far belongs in the trainers' checkpoint."""
-        self.saving_for = decision
-        for trainer in self._trainers_served():
-            self.sender.send(SaveMarker(self.steps - 1), trainer)
-
     def parts(self) -> int:
         """Into how many trainers' batches a rollout rank's batch is split."""
         return len(self.serves(rank())) if rank() in self.rollout else 1
-
-    def state_dict(self) -> dict:
-        """This rank's part of a checkpoint: a trainer's holds the batches it has not trained on yet."""
-        state = {"steps": self.steps, "updates": self.updates, "dropped": self.dropped}
-        if rank() in self.rollout:
-            state["resume_version"] = self.saving_for.updates if self.saving_for is not None else self.engine_version
-        else:
-            state["held"] = self.inbox.hold_until_marker(self.timeout_s)
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps, self.updates, self.dropped = state["steps"], state["updates"], state["dropped"]
-        if "resume_version" in state:
-            self.engine_version, self.resume_version = None, state["resume_version"]
-        else:
-            self.restored, self.must_republish = list(state["held"]), True
-            if getattr(self, "inbox", None) is not None:
-                self.inbox.held.extend(self.restored)
 
 
 def _split(batch, parts: int) -> list:

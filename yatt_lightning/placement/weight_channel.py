@@ -5,13 +5,13 @@ group of itself and the rollout ranks. Every message starts with a fixed-size he
 trainer's consumed step, the size of what follows), so a rollout rank can post the header's receive and
 poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index (only
 when it differs from the last one sent: a policy's names and shapes do not change from version to
-version, so the header's size is ``SAME_INDEX`` and the buckets follow it at once) and the tensors packed
-into buckets (one broadcast each) that grow from ``FIRST_BUCKET`` to ``bucket_bytes``, so the first
-one is on the wire after a short copy and each later copy overlaps the send before it; an ``ACK`` carries
-nothing (a step whose batch was dropped: no new version, but the producer learns the trainer moved on);
-a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the trainers' :class:`SaveDecision` of a
-step (checkpoint and stop, or go on), which the rollout ranks follow at their own safe point. The trainer's broadcasts are asynchronous (gloo runs them on
-its own threads), so training goes on while the bytes move.
+version, so the header's size is ``SAME_INDEX`` and the buckets follow it at once) and the buckets, one
+broadcast each (:mod:`~yatt_lightning.placement.weight_buckets`: packed; with ``direct_bytes``, large
+storages as they are); an ``ACK`` carries nothing (a step whose batch was dropped: no new version, but the producer
+learns the trainer moved on); a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the
+trainers' :class:`SaveDecision` of a step (checkpoint and stop, or go on), which the rollout ranks follow
+at their own safe point. The trainer's broadcasts are asynchronous (gloo runs them on its own threads),
+so training goes on while the bytes move.
 
 Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
 different parallelism. The destination here is a vLLM engine, which loads Hugging Face names through its
@@ -23,28 +23,18 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
+from yatt_lightning.placement.weight_buckets import BufferPool, Entry, fill, layout, unpack
 
 WEIGHTS, ACK, DECISION, FAILURE = 1, 0, 2, 3
 SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
-ALIGN = 16  # bytes
-FIRST_BUCKET = 1 << 20  # bytes; each next bucket may be twice the one before, up to ``bucket_bytes``
-
-
-@dataclass
-class _Entry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    bucket: int
-    offset: int
-    nbytes: int
+FIRST_BUCKET = 1 << 20  # bytes; each next packed bucket may be twice the one before, up to ``bucket_bytes``
+DIRECT_BYTES = 1 << 18  # bytes; a storage this large goes as it is (a broadcast costs about a copy of this much)
 
 
 @dataclass(frozen=True)
@@ -65,101 +55,39 @@ class SaveDecision:
         return self.signal is not None
 
 
-def layout(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, first_bytes: int | None = None
-) -> tuple[list[_Entry], list[int]]:
-    """Where each tensor goes in flat byte buckets (a tensor bigger than its bucket's cap gets a bucket of
-    its own), each tensor aligned so its bytes can be viewed as its dtype again; and each bucket's size.
-    Bucket k holds at most ``min(bucket_bytes, first_bytes * 2**k)`` (``first_bytes`` defaults to
-    ``bucket_bytes``: every cap equal). Reads only shapes: the index is sent before any bucket is filled."""
-    cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
-    entries, sizes, size = [], [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        offset = size + (-size % ALIGN)
-        if size and offset + nbytes > cap:
-            sizes.append(size)
-            cap = min(2 * cap, bucket_bytes)
-            offset = 0
-        entries.append(_Entry(name, tuple(tensor.shape), tensor.dtype, len(sizes), offset, nbytes))
-        size = offset + nbytes
-    if entries:
-        sizes.append(size)
-    return entries, sizes
-
-
-def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
-    """The tensors as flat byte buckets (:func:`layout`), each a copy (the trainer may step on while it
-    is sent), and the index that unpacks them."""
-    entries, sizes = layout(named, bucket_bytes)
-    buffers = (torch.empty(size, dtype=torch.uint8) for size in sizes)
-    return entries, list(fill(named, entries, sizes, buffers))
-
-
-def fill(named, entries: list[_Entry], sizes: list[int], buffers) -> Iterator[torch.Tensor]:
-    """Each bucket in turn, filled from ``named`` (read lazily, tensor by tensor) into the next of
-    ``buffers`` (one of each bucket's size); ``named`` must be the index's tensors in order, no more."""
-    tensors = iter(named)
-    for these, out in zip(_by_bucket(entries, len(sizes)), buffers, strict=True):
-        yield _fill_next(tensors, these, out)
-    if next(tensors, None) is not None:
-        raise RuntimeError(f"the policy exports more tensors than the {len(entries)} of its first version")
-
-
-def _by_bucket(entries: list[_Entry], buckets: int) -> list[list[_Entry]]:
-    out: list[list[_Entry]] = [[] for _ in range(buckets)]
-    for e in entries:
-        out[e.bucket].append(e)
-    return out
-
-
-def _fill_next(tensors, entries: list[_Entry], out: torch.Tensor) -> torch.Tensor:
-    """One bucket from the next tensors of ``tensors``, which must be the index's ``entries`` in order
-    (a policy's names, shapes and dtypes are the same in every version)."""
-    for e in entries:
-        name, tensor = next(tensors, (None, None))
-        if name != e.name or tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
-            got = "nothing" if name is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-            raise RuntimeError(
-                f"the policy's export changed since its first version: expected {e.name} {e.shape} {e.dtype}, got {got}"
-            )
-        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensor.detach())
-    return out
-
-
-def unpack(entries: list[_Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    return [
-        (e.name, buckets[e.bucket][e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape)) for e in entries
-    ]
-
-
 class WeightPublisher:
-    """The trainer's end. ``publish`` returns at once; the previous message's sends finish in the background."""
+    """The trainer's end. ``publish`` returns at once; the sends finish in the background (gloo's threads).
 
-    def __init__(self, group, src: int, bucket_bytes: int) -> None:
-        self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
-        self.pending: list = []  # (work, tensor): kept alive until sent
-        self.pool = _Pool()  # buckets already sent, refilled by the next version (its layout is the same)
-        self._sent_index: tuple | None = None  # (entries, bucket sizes) of the first version: sent once
+    A ``WEIGHTS`` message of a list of tensors (a model-parallel group of one: ``export_hf`` gives views of
+    the parameters) with ``direct_bytes`` (off by default) sends its large storages as they are (:mod:`~yatt_lightning.placement.weight_buckets`),
+    so the trainer must :meth:`flush` before it next changes its parameters; a lazy iterator (gathered
+    shards, built as they are read) is read bucket by bucket as it is sent, against the first version's index."""
+
+    def __init__(self, group, src: int, bucket_bytes: int, direct_bytes: int | None = None) -> None:
+        self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
+        self.pending: list = []  # (work, tensor, kind): a "packed" bucket the pool reuses once sent, a "direct"
+        # storage (the trainer's own: it waits before changing it) or a "message" (header, index)
+        self.pool = BufferPool()  # packed buckets already sent, refilled by the next version (same layout)
+        self._sent_index: tuple | None = None  # (entries, bucket sizes) of the last index sent
 
     def publish(
         self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
     ) -> float:
-        """Send one message; returns the seconds spent here (packing and posting, not the transfer).
-
-        ``named`` (``WEIGHTS``) may be a lazy iterator (``export_hf``): once the index is known it is read
-        bucket by bucket, so exporting the next tensors overlaps the send of the bucket before them."""
+        """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
         t0 = time.perf_counter()
         self._reap()
         header_size = None  # the payload's
         if kind == WEIGHTS:
-            if self._sent_index is None:  # the first version: its shapes make the index, sent once
+            index = None
+            if isinstance(named, list):  # views: its index is cheap to take again (the storages may move)
+                index = layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes)
+            elif self._sent_index is None:  # lazy: the first version's shapes make the index, sent once
                 named = list(named)
-                entries, sizes = layout(named, self.bucket_bytes, FIRST_BUCKET)
-                self._sent_index = (entries, sizes)
-                body = pickle.dumps(entries)
-            else:
+                index = layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes)
+            if index is None or index == self._sent_index:
                 body, header_size = b"", SAME_INDEX
+            else:
+                self._sent_index, body = index, pickle.dumps(index)
         elif kind == DECISION:
             body = pickle.dumps(decision)
         else:
@@ -171,30 +99,38 @@ class WeightPublisher:
             self._send(payload)
             if kind == WEIGHTS:
                 entries, sizes = self._sent_index
-                buffers = (self.pool.get(size) for size in sizes)
-                for bucket in fill(named, entries, sizes, buffers):  # bucket k is on the wire (gloo's thread)
-                    self._send(bucket)  # while k + 1 fills
+                for bucket, packed in fill(named, entries, sizes, self.pool.get):  # bucket k is on the wire
+                    self._send(bucket, "packed" if packed else "direct")  # while k + 1 fills
         return time.perf_counter() - t0
 
-    def _send(self, tensor: torch.Tensor) -> None:
+    def _send(self, tensor: torch.Tensor, kind: str = "message") -> None:
         if tensor.numel():
             work = torch.distributed.broadcast(tensor, src=self.src, group=self.group, async_op=True)
-            self.pending.append((work, tensor))
+            self.pending.append((work, tensor, kind))
 
     def _reap(self) -> None:
-        done = [t for w, t in self.pending if w.is_completed()]
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        pending, done = [], []
+        for work, tensor, kind in self.pending:
+            if not work.is_completed():
+                pending.append((work, tensor, kind))
+            elif kind == "packed":
+                done.append(tensor)
+        self.pending = pending
         self.pool.put(done)
 
-    def flush(self, timeout_s: float) -> None:
-        """Wait until every message was received (the end of the run; a rank that left fails this)."""
-        deadline = time.monotonic() + timeout_s
-        for work, _ in self.pending:
+    def flush(self, timeout_s: float, only_direct: bool = False) -> float:
+        """Wait until every message was sent (``only_direct``: the storages sent as they are, before the trainer
+        changes them; at the end of the run, all; a rank that left fails this). Returns the seconds waited."""
+        t0 = time.monotonic()
+        for work, _, kind in self.pending:
+            if only_direct and kind != "direct":
+                continue
             while not work.is_completed():
-                if time.monotonic() > deadline:
+                if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
-                time.sleep(0.001)
+                time.sleep(0.0005)
         self._reap()
+        return time.monotonic() - t0
 
 
 @dataclass
@@ -213,10 +149,10 @@ class WeightReceiver:
     def __init__(self, group, src: int) -> None:
         self.group, self.src = group, src
         self.state = Received()
-        self.pool = _Pool()  # buckets of versions the engine has copied in
+        self.pool = BufferPool()  # buckets of versions the engine has copied in
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
-        self.index: list[_Entry] = []  # of the last WEIGHTS message (a next one may say it is the same)
+        self.index: tuple[list[Entry], list[int]] = ([], [])  # of the last WEIGHTS message: entries, sizes
         self._post()
 
     def _post(self) -> None:
@@ -241,11 +177,8 @@ class WeightReceiver:
                 if kind == WEIGHTS:
                     if size != SAME_INDEX:
                         self.index = pickle.loads(payload.numpy().tobytes())
-                    entries = self.index
-                    sizes: dict[int, int] = {}
-                    for e in entries:
-                        sizes[e.bucket] = max(sizes.get(e.bucket, 0), e.offset + e.nbytes)
-                    buckets = [self.pool.get(sizes[b]) for b in sorted(sizes)]
+                    entries, sizes = self.index
+                    buckets = [self.pool.get(size) for size in sizes]
                     works = [torch.distributed.broadcast(b, src=self.src, group=self.group, async_op=True) for b in buckets]
                     for work in works:  # all posted at once: the buckets stream without a round trip each
                         work.wait()
@@ -280,18 +213,26 @@ class WeightReceiver:
         return named
 
 
-class _Pool:
-    """Byte buffers by size, reused: a version's buckets have the sizes of the last one, and fresh pages
-    cost a fault each on first touch (about as much as the copy into them on this machine)."""
+class LiveWeights:
+    """A rollout rank's engine's weights: the version it holds and, when ``live``, the newer versions it applies
+    between its own steps in the middle of a generation (the engine's :class:`~yatt_lightning.rollout.base.WeightFeed`).
 
-    def __init__(self) -> None:
-        self.free: dict[int, list[torch.Tensor]] = {}
+    A generation that spans an update goes on from the keys and values it computed with the older weights,
+    and each of its samples records the first and last version of its tokens (as in-flight updates do:
+    PipelineRL, AReaL's interruptible generation without the recompute)."""
 
-    def get(self, size: int) -> torch.Tensor:
-        spare = self.free.get(size)
-        return spare.pop() if spare else torch.empty(size, dtype=torch.uint8)
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.receiver: WeightReceiver | None = None  # once the channel exists
+        self.version: int | None = 0  # the engine starts from the policy's own folder (None: resumed, not yet)
+        self.applied = 0  # versions applied in the middle of a generation, over the run
 
-    def put(self, buffers: list[torch.Tensor]) -> None:
-        for b in buffers:
-            if b.dim() == 1 and b.dtype == torch.uint8 and b.numel() > 1 << 16:  # buckets, not headers
-                self.free.setdefault(b.numel(), []).append(b)
+    def newer(self) -> list[tuple[str, torch.Tensor]] | None:
+        if not self.live or self.receiver is None or self.version is None:
+            return None
+        self.receiver.poll()
+        newest = max(self.receiver.state.versions, default=-1)
+        if newest <= self.version:
+            return None
+        self.version, self.applied = newest, self.applied + 1
+        return self.receiver.take(newest)

@@ -48,6 +48,17 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "length"
+    versions: tuple[int, int] | None = None  # (first, last) policy version of its tokens, when the engine tracks them
+
+
+class WeightFeed(Protocol):
+    """Newer weights an engine may apply between its own steps, in the middle of a generation
+    (asynchronous RL: :class:`~yatt_lightning.placement.weight_channel.LiveWeights`)."""
+
+    version: int | None  # the policy version the engine holds
+
+    def newer(self) -> list[tuple[str, torch.Tensor]] | None:
+        """A newer version's tensors to load now (``version`` is then that version's), or None."""
 
 
 @runtime_checkable

@@ -91,8 +91,10 @@ class RolloutBatch:
     @staticmethod
     def from_samples(samples: list[tuple], tokenizer, metrics: dict[str, float] | None = None) -> RolloutBatch:
         """A batch from ``(group id, row, prompt ids, completion)`` per sample; a completion is anything with
-        ``token_ids``, ``logprobs`` and ``finish_reason``. ``metrics``: how the batch was generated."""
+        ``token_ids``, ``logprobs`` and ``finish_reason`` (and ``versions``, where the engine tracked them).
+        ``metrics``: how the batch was generated."""
         completion_ids = [c.token_ids for *_, c in samples]
+        versions = [getattr(c, "versions", None) for *_, c in samples]
         return RolloutBatch(
             prompts=[row["prompt"] for _, row, _, _ in samples],
             prompt_ids=[ids for _, _, ids, _ in samples],
@@ -103,6 +105,7 @@ class RolloutBatch:
             rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float) for *_, c in samples],
             finish_reasons=[c.finish_reason for *_, c in samples],
             metrics=dict(metrics or {}),
+            versions=versions if all(v is not None for v in versions) and samples else None,
         )
 
     @staticmethod

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from yatt_lightning.multimodal.image_inputs import collapse, expand
-from yatt_lightning.rollout.base import Completion, SamplingConfig
+from yatt_lightning.rollout.base import Completion, SamplingConfig, WeightFeed
 from yatt_lightning.rollout.step_deadline import StepDeadline
 from yatt_lightning.rollout.vllm_models import engine_overrides
 
@@ -104,6 +104,7 @@ class VLLMEngine:
         self.image_tokens = 0  # tokens per image in the model's sequences
         self.llm = None
         self.asleep = False
+        self.weight_feed: WeightFeed | None = None  # newer weights to apply between engine steps (asynchronous RL)
 
     # ------------------------------------------------------------------ life cycle
     def start(
@@ -252,15 +253,24 @@ class VLLMEngine:
                 inputs["multi_modal_data"] = {"image": images[i]}
             engine.add_request(request_id, inputs, params)
             pending[request_id] = i
+        feed = self.weight_feed
+        first = feed.version if feed is not None else None
+        updated = False
         try:
             while pending:
+                if feed is not None and (named := feed.newer()) is not None:  # between two engine steps
+                    self._load(named)
+                    updated = True
                 for out in self._step(engine, f"generating {len(pending)} of {len(prompts)} prompts"):
                     if out.finished and out.request_id in pending:
                         _check_prompt(out, sent.pop(out.request_id))
-                        yield pending.pop(out.request_id), _completions(out)
+                        versions = (first, feed.version) if feed is not None else None
+                        yield pending.pop(out.request_id), _completions(out, versions)
         finally:
             if pending:
                 engine.abort_request(list(pending))
+            if updated:  # nothing runs now: the cached prefixes of the old weights can go
+                self._reset_caches()
 
     def complete(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
@@ -308,10 +318,18 @@ class VLLMEngine:
             return engine.step()
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._load(named_tensors)
+        self._reset_caches()
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]
         self._llm().collective_rpc("yatt_reload_weights", args=(weights,))
+
+    def _reset_caches(self) -> None:
         # Cached keys/values, and encoder outputs of images, were computed with the old weights; vLLM clears
         # the runner's encoder cache on reload but its scheduler would still count on it (CPU-STACK.md).
+        # (Running requests keep the keys and values they computed: a request that spans a weight update
+        # goes on from them, as in-flight updates do.)
         self._llm().reset_prefix_cache()
         if self.multimodal:
             self._llm().llm_engine.reset_encoder_cache()
@@ -347,12 +365,12 @@ def _check_prompt(out, ids: list[int]) -> None:
         )
 
 
-def _completions(out) -> list[Completion]:
+def _completions(out, versions: tuple[int, int] | None = None) -> list[Completion]:
     group = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         ids = list(c.token_ids)
         lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)]
-        group.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.finish_reason or "length"))
+        group.append(Completion(ids, lps, c.finish_reason or "length", versions))
     return group
 
 
@@ -369,31 +387,3 @@ def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, 
     tokens = max_num_seqs * math.ceil(max_model_len / block) * block
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
     return max(4 << 20, math.ceil(tokens * per_token * 1.25 / (1 << 20)) << 20)
-
-
-def join_engine_groups() -> None:
-    """On a rank that runs no engine while others start theirs (disaggregated trainers): take part in the
-    process groups vLLM builds over the whole world when an in-process engine starts (it waits for every
-    rank), as a tensor-parallel-1 engine's worker would, without loading a model."""
-    from yatt_lightning.rollout import vllm_shutdown
-
-    set_vllm_env()
-    vllm_shutdown.keep_trainer_process_group()
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    rank = torch.distributed.get_rank()
-    config = VllmConfig()
-    # The groups follow the model: an engine of a dense model builds no expert-parallel group, and vLLM
-    # builds one when it has no model config; say "a dense model" so the same groups are built here.
-    object.__setattr__(config, "model_config", _DenseModel())
-    with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(1, rank, "env://", rank, "gloo")
-        parallel_state.ensure_model_parallel_initialized(1, 1)
-
-
-class _DenseModel:
-    """What vLLM's group set-up reads of a model config (see :func:`join_engine_groups`)."""
-
-    is_moe = False
-    architecture = "dense"

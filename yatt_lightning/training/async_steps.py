@@ -75,7 +75,8 @@ class AsyncSteps:
             strategy.enter_stage("reward", step)
             scores = self.reward(rollouts)
             rollouts = rollouts.scored(scores.total, scores.token_rewards)
-            rollouts = dataclasses.replace(rollouts, versions=[(version, version)] * len(rollouts))
+            if rollouts.versions is None:  # an engine that applies no weights mid-generation
+                rollouts = dataclasses.replace(rollouts, versions=[(version, version)] * len(rollouts))
             times = {"rollout": t1 - t0, "sync": sync, "reward": time.perf_counter() - t1, "producer_idle": waited}
             placement.send(Produced(step, version, rollouts, scores.metrics, times))
         except Exception as err:  # the trainers wait for this batch: tell them, then fail here
@@ -103,6 +104,7 @@ class AsyncSteps:
                 out = self.figures_only(rollouts, produced.reward_metrics, times, rank, figures)
             else:
                 figures["async/dropped"] = float(placement.dropped)
+                figures["async/publish_wait"] = placement.settle()  # the last version's storages were sent as they are
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
                 out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
             placement.steps += 1
