@@ -319,10 +319,12 @@ class Disaggregated(SavePoints, Placement):
                 pass
 
     def exported(self, export):
-        """What the publisher sends: with a model-parallel group of one, the export's views of the parameters
-        as a list (their storages go as they are, no copy: :meth:`settle` before the next update); else the
-        export read lazily as it is sent (each tensor is gathered or broadcast as it is read)."""
-        return list(export()) if self.model_parallel == 1 else export()
+        """What the publisher sends: the export read lazily as it is sent (each tensor is gathered or broadcast
+        as it is read); when the publisher sends storages as they are (``direct_bytes``) and the model-parallel
+        group is of one, the export's views of the parameters as a list, whose index it takes again each
+        version (:meth:`settle` before the next update)."""
+        direct = self.publisher is not None and self.publisher.direct_bytes is not None
+        return list(export()) if direct and self.model_parallel == 1 else export()
 
     def settle(self) -> float:
         """Trainer, before it changes its parameters: what it sent as it is has left. Returns the seconds waited."""

@@ -134,7 +134,9 @@ def fill(
         name, tensor = next(tensors, (None, None))
         _check(e, name, tensor, sizes)
         if e.stride is not None:
-            bucket = open_.setdefault(e.bucket, storage_bytes(tensor))
+            bucket = open_.get(e.bucket)
+            if bucket is None:
+                bucket = open_[e.bucket] = storage_bytes(tensor)
             if bucket.data_ptr() != tensor.untyped_storage().data_ptr():
                 raise RuntimeError(f"the policy's export changed since its first version: {e.name} is in another storage")
         else:

@@ -34,7 +34,6 @@ from yatt_lightning.placement.weight_buckets import BufferPool, Entry, fill, lay
 WEIGHTS, ACK, DECISION, FAILURE = 1, 0, 2, 3
 SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
 FIRST_BUCKET = 1 << 20  # bytes; each next packed bucket may be twice the one before, up to ``bucket_bytes``
-DIRECT_BYTES = 1 << 18  # bytes; a storage this large goes as it is (a broadcast costs about a copy of this much)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class AsyncSteps:
                 out = self.figures_only(rollouts, produced.reward_metrics, times, rank, figures)
             else:
                 figures["async/dropped"] = float(placement.dropped)
-                figures["async/publish_wait"] = placement.settle()  # the last version's storages were sent as they are
+                figures["async/publish_wait"] = placement.settle()  # storages the last version sent as they are
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
                 out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
             placement.steps += 1
