@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
+
+from isal.isal_zlib import crc32  # zlib's CRC-32 (the same values), ~7x faster here
 
 MANIFEST = "manifest.json"
 
@@ -42,7 +43,7 @@ def _crc32(path: Path, fsync: bool = False) -> int:
     crc, chunk = 0, memoryview(bytearray(1 << 22))  # one buffer per file: no fresh pages per chunk
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(chunk):
-            crc = zlib.crc32(chunk[:n], crc)
+            crc = crc32(chunk[:n], crc)
         if fsync:  # Megatron writes some files (common.pt, metadata.json) without fsync
             os.fsync(f.fileno())
     return crc
