@@ -160,14 +160,14 @@ def test_a_slow_consumer_never_trains_on_a_batch_older_than_max_staleness(tmp_pa
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_the_engine_applies_a_newer_version_mid_generation_and_samples_record_their_versions(tmp_path):
-    """Long generations (200 tokens) against quick updates: the trainer publishes while the rollout rank
-    generates, and its engine loads the new version between two of its steps (in-flight updates, on by
-    default without ``fixed_lag``); a sample records the first and last version of its tokens, and its
-    staleness counts from the first."""
-    _fit(tmp_path / "live", "--trainer.max_steps=12", "--data.init_args.batch_size=4",
-         "--model.init_args.sampling.max_new_tokens=200")  # fmt: skip
+    """A slow producer (its engine sleeps 40 ms before each step: a generation of 32 tokens takes > 1.3 s)
+    against quick updates (~0.2 s): the trainer publishes while the rollout rank generates, and its engine
+    loads the new version between two of its steps (in-flight updates, on by default without ``fixed_lag``);
+    a sample records the first and last version of its tokens, and its staleness counts from the first."""
+    _fit(tmp_path / "live", "--trainer.max_steps=10", "--data.init_args.batch_size=4", "--slow-generate", "0.04",
+         "--model.init_args.sampling.max_new_tokens=32")  # fmt: skip
     steps = _steps(tmp_path / "live")
-    assert len(steps) == 6
+    assert len(steps) == 5
     for s in steps:  # trained at version s (one update a step), on tokens of versions s - 1 .. s
         firsts, lasts = [v[0] for v in s["versions"]], [v[1] for v in s["versions"]]
         assert len(s["versions"]) == len(s["completions"])
@@ -175,8 +175,10 @@ def test_the_engine_applies_a_newer_version_mid_generation_and_samples_record_th
         assert all(a <= b for a, b in s["versions"])
         assert s["async"]["async/staleness_max"] == s["step"] - min(firsts)
         assert s["async"]["async/version_span_max"] == max(b - a for a, b in s["versions"])
-    # Whether a version lands mid-generation depends on timing: it did at 96 tokens with direct sends on
-    # (spans 1..2, 2..3, ...), and did not with them off; the bounds above hold either way.
+    # From step 2 on the producer starts step s with version s - 1 while the trainer trains step s - 1 and
+    # publishes version s, ~1 s before the generation ends.
+    spanned = [s["step"] for s in steps if s["async"]["async/version_span_max"] >= 1]
+    assert len(spanned) >= 2, f"a version should land mid-generation; spans only at steps {spanned}"
 
 
 def _saver(dirpath, every: int) -> str:
@@ -202,7 +204,8 @@ def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_
     """``fixed_lag`` (max_staleness 1), checkpoints every 2 RL steps. SIGTERM reaches the rollout rank only, as
     its step 3 starts: the trainers save at their next safe point (holding the batch generated ahead of them)
     and both ranks exit 143. Resumed, the trainer SIGKILLs the whole run at step 6; resumed again, it runs to
-    the end. Every step's samples and rewards and the final weights equal those of a run never interrupted."""
+    the end. Every step's samples and rewards and the final weights equal those of a run never interrupted;
+    so do those of a run stopped one step before its end and resumed."""
     from safetensors.torch import load_file
 
     common = ["--trainer.max_steps=16", "--data.init_args.batch_size=4",  # 8 RL steps of 2 optimizer steps
@@ -239,6 +242,26 @@ def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_
         assert a[step]["async"]["async/version"] == b[step]["async"]["async/version"] == max(0, step - 1)
     wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
+
+    # A stop within queue_size - 1 steps of the end: SIGTERM reaches the trainer as its step 6 starts, the
+    # rollout rank follows that decision after producing step 7, its last, and is saved there. Resumed, it has
+    # no step left but still follows the trainers to their end: the run ends at once (a wait would time out).
+    end = tmp_path / "end"
+    quick = [*common, "--trainer.callbacks", _saver(end / "ckpts", 4), "--trainer.strategy.placement.init_args.timeout_s=60"]
+    first = _fit_alone(end, "--kill", "sigterm-train:6", *quick)
+    log = first.stdout + first.stderr
+    assert first.returncode == 128 + signal.SIGTERM, log[-4000:]
+    assert len(re.findall(r"received SIGTERM; saved step 14 to", log)) == 2, log[-4000:]
+    t0 = time.monotonic()
+    last = _fit_alone(end, *quick, "--ckpt_path", "last")
+    log = last.stdout + last.stderr
+    assert last.returncode == 0, log[-4000:]
+    assert time.monotonic() - t0 < 55, "the resumed run waited for the rollout rank"
+    c = _records(end)
+    assert sorted(c) == list(range(8))
+    assert all(a[step]["completions"] == c[step]["completions"] and a[step]["rewards"] == c[step]["rewards"] for step in a)
+    wc = load_file(end / "weights.safetensors")
+    assert all(torch.equal(wa[k], wc[k]) for k in wa), "the run resumed near its end has other final weights"
 
 
 @pytest.mark.slow

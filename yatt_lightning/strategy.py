@@ -218,6 +218,8 @@ class MegatronStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if self.role != "colocated":
             _unsynchronised_sigterm(trainer)
+        if self.role == "rollout":
+            _run_even_when_done(trainer.fit_loop)
         if not self._engine_started:
             if self.rollout.setup is None:
                 raise RuntimeError(
@@ -320,3 +322,15 @@ def _unsynchronised_sigterm(trainer) -> None:
             raise SIGTERMException()
 
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = local_check
+
+
+def _run_even_when_done(fit_loop) -> None:
+    """A rollout rank's loop runs its start and end even with no step left. A stop decided within
+    ``queue_size - 1`` steps of the end saves the rollout rank after its last step (it produced ahead of the
+    trainers); resumed from there, Lightning would skip its whole loop, ``on_train_end`` included, and the
+    trainers, with steps left on the batches they hold, would wait for a rank that never follows their
+    decisions. Running the loop's start and end, the rank follows them to the trainers' end (AsyncCheckpoint)
+    and ends the channels (``Disaggregated.finish``)."""
+    base = type(fit_loop)
+    skip = property(lambda loop: loop.trainer.limit_train_batches == 0)
+    fit_loop.__class__ = type(f"RunEvenWhenDone{base.__name__}", (base,), {"skip": skip})

@@ -1,14 +1,15 @@
 """Run ``yatt fit`` (the real CLI) and record, per step, what was trained on; for the asynchronous tests.
 
-    python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--fail-at STEP] [--kill WHAT:STEP]
-                                      [yatt fit overrides...]
+    python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--slow-generate SECONDS] [--fail-at STEP]
+                                      [--kill WHAT:STEP] [yatt fit overrides...]
 
 Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
 and the async figures; also appended as it goes to OUT_DIR/record.jsonl, across resumed runs) and
 OUT_DIR/weights.safetensors (the final policy under Hugging Face names). ``--slow-train``: every training
-step sleeps that long first (a slow consumer). ``--fail-at``: the reward raises at that step on the rank
-that scores (a failing rollout rank). ``--kill sigterm-rollout:STEP``: the rollout rank sends itself SIGTERM
-as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group as its RL
+step sleeps that long first (a slow consumer); ``--slow-generate``: the rollout rank's engine sleeps that long
+before each of its steps (a slow producer, whose generations a published version lands in the middle of). ``--fail-at``: the reward raises at that step on the rank
+that scores (a failing rollout rank). ``--kill sigterm-rollout:STEP`` (``sigterm-train:STEP``): the rollout rank (the
+trainer) sends itself SIGTERM as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group as its RL
 step STEP starts. The run is the real ``yatt fit`` (``--ckpt_path last``, the exit code 128 + signal).
 """
 
@@ -40,13 +41,25 @@ def failing_reward(prompt: str, completion: str, **row) -> float:
 
 
 class Record(Callback):
-    def __init__(self, out: Path, slow: float, fail_at: int, kill: tuple[str, int] | None) -> None:
+    def __init__(self, out: Path, slow: float, fail_at: int, kill: tuple[str, int] | None, slow_generate: float) -> None:
         self.out, self.slow, self.fail_at, self.kill, self.steps = out, slow, fail_at, kill, []
+        self.slow_generate = slow_generate
+
+    def on_train_start(self, trainer, module) -> None:
+        if self.slow_generate and trainer.strategy.role == "rollout":
+            live = trainer.strategy.placement.live  # the engine asks it for newer weights before each of its steps
+            newer = live.newer
+
+            def slow_newer():
+                time.sleep(self.slow_generate)
+                return newer()
+
+            live.newer = slow_newer
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         role = trainer.strategy.role
         step = getattr(trainer.strategy.placement, "steps", batch_idx)  # the RL step (colocated: the batch)
-        if self.kill == ("sigterm-rollout", step) and role == "rollout":
+        if self.kill == (f"sigterm-{role}", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.kill == ("sigkill", step) and role == "train":
             os.write(1, f"FAULT: SIGKILL at step {step}\n".encode())
@@ -91,12 +104,13 @@ def main() -> None:
 
     out, args = Path(sys.argv[1]), sys.argv[2:]  # Lightning re-runs sys.argv for the other ranks: left as is
     slow = float(args[args.index("--slow-train") + 1]) if "--slow-train" in args else 0.0
+    slow_generate = float(args[args.index("--slow-generate") + 1]) if "--slow-generate" in args else 0.0
     fail_at = int(args[args.index("--fail-at") + 1]) if "--fail-at" in args else -1
     kill = None
     if "--kill" in args:
         what, step = args[args.index("--kill") + 1].split(":")
         kill = (what, int(step))
-    for flag in ("--slow-train", "--fail-at", "--kill"):
+    for flag in ("--slow-train", "--slow-generate", "--fail-at", "--kill"):
         if flag in args:
             i = args.index(flag)
             del args[i : i + 2]
@@ -108,7 +122,7 @@ def main() -> None:
 
     class AsyncFitCLI(YattCLI):
         def before_fit(self) -> None:
-            self.trainer.callbacks.append(Record(out, slow, fail_at, kill))
+            self.trainer.callbacks.append(Record(out, slow, fail_at, kill, slow_generate))
             super().before_fit()
 
     config = str(REPO / "configs" / "grpo_async_tiny.yaml")

@@ -44,6 +44,7 @@ from yatt_lightning.placement.batch_channel import (
 from yatt_lightning.placement.save_points import SavePoints
 from yatt_lightning.placement.weight_channel import (
     ACK,
+    END,
     FAILURE,
     WEIGHTS,
     LiveWeights,
@@ -71,6 +72,11 @@ class Disaggregated(SavePoints, Placement):
             with ``on_stale: wait`` it cannot be more). With ``drop``, a larger queue keeps the producer busy
             and drops what ages past ``max_staleness`` in it.
         bucket_mb: Size of the buckets the weights travel in.
+        direct_mb: A storage of at least this many MiB (a parameter, a fused QKV weight) travels as it is,
+            without a copy into a bucket; the trainer's next update waits until it has left. ``null``: every
+            tensor is copied into buckets (the trainer's export is then read as it is sent). Used when a
+            model-parallel group is one process, for host tensors (a GPU's are copied to host buckets; larger
+            groups gather their shards into new tensors anyway).
         in_flight_updates: The engine applies a newer version between its own steps, in the middle of a
             generation (its samples then record the first and last version of their tokens). Default: on,
             unless ``fixed_lag`` (which it would make timing-dependent).
@@ -86,6 +92,7 @@ class Disaggregated(SavePoints, Placement):
         publish_every: int = 1,
         queue_size: int | None = None,
         bucket_mb: float = 16.0,
+        direct_mb: float | None = 4.0,
         timeout_s: float = 600.0,
         in_flight_updates: bool | None = None,
     ) -> None:
@@ -111,11 +118,12 @@ class Disaggregated(SavePoints, Placement):
                 "`trainer.strategy.placement.in_flight_updates` cannot be true with `fixed_lag`: which tokens a "
                 "version generated would depend on timing (leave it unset)."
             )
-        if bucket_mb <= 0 or timeout_s <= 0:
-            raise ValueError("`trainer.strategy.placement.bucket_mb` and `timeout_s` must be > 0.")
+        if bucket_mb <= 0 or timeout_s <= 0 or (direct_mb is not None and direct_mb <= 0):
+            raise ValueError("`trainer.strategy.placement.bucket_mb`, `direct_mb` and `timeout_s` must be > 0.")
         self.rollout_ranks = rollout_ranks
         self.max_staleness, self.on_stale, self.fixed_lag = max_staleness, on_stale, fixed_lag
         self.publish_every, self.bucket_bytes, self.timeout_s = publish_every, int(bucket_mb * 2**20), timeout_s
+        self.direct_bytes = None if direct_mb is None else int(direct_mb * 2**20)
         self.queue_size = queue_size if queue_size is not None else max_staleness + 1
         self.trainers: list[int] = []
         self.rollout: list[int] = []
@@ -227,7 +235,8 @@ class Disaggregated(SavePoints, Placement):
         else:
             join_engine_groups()
             self.inbox = BatchInbox(self.batches, self.source(me), held=self.restored)
-            self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes) if me == 0 else None
+            direct = self.direct_bytes if self.model_parallel == 1 else None  # gathered shards are new tensors
+            self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes, direct) if me == 0 else None
 
     def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
         groups = self.controller.generate(request, keep, engine)
@@ -324,7 +333,7 @@ class Disaggregated(SavePoints, Placement):
         group is of one, the export's views of the parameters as a list, whose index it takes again each
         version (:meth:`settle` before the next update)."""
         direct = self.publisher is not None and self.publisher.direct_bytes is not None
-        return list(export()) if direct and self.model_parallel == 1 else export()
+        return list(export()) if direct else export()
 
     def settle(self) -> float:
         """Trainer, before it changes its parameters: what it sent as it is has left. Returns the seconds waited."""
@@ -350,9 +359,10 @@ class Disaggregated(SavePoints, Placement):
             for trainer in self._trainers_served():
                 self.sender.send(EndOfRun(), trainer)
             self.sender.flush()
-            self.receiver.wait(lambda s: self.trainers_done or s.consumed >= last_step, f"the end of step {last_step}",
-                               self.timeout_s)  # fmt: skip
+            self.receiver.wait(lambda s: self.receiver.ended, f"the end of the trainers' step {last_step}", self.timeout_s)
+            self.receiver.join(self.timeout_s)
         elif self.publisher is not None:
+            self.publisher.publish(END, self.updates, last_step)
             self.publisher.flush(self.timeout_s)
 
     def parts(self) -> int:

@@ -17,6 +17,7 @@ sent as it goes, each as soon as it is complete.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ def _sent_as_they_are(named: list[tuple[str, torch.Tensor]], direct_bytes: int |
     size: dict[int, int] = {}
     last: dict[int, int] = {}
     for i, (_, tensor) in enumerate(named):
+        if tensor.device.type != "cpu":  # a GPU's tensors are copied to host buckets (gloo's wire is host memory)
+            continue
         key, size[key] = _storage(tensor)
         covered[key] = covered.get(key, 0) + tensor.numel() * tensor.element_size()
         dtypes.setdefault(key, set()).add(tensor.dtype)
@@ -188,15 +191,21 @@ def unpack(entries: list[Entry], buckets: list[torch.Tensor]) -> list[tuple[str,
 
 class BufferPool:
     """Byte buffers by size, reused: a version's buckets have the sizes of the last one, and fresh pages
-    cost a fault each on first touch (about as much as the copy into them on this machine)."""
+    cost a fault each on first touch (about as much as the copy into them on this machine). Thread-safe (a
+    rollout rank's receiving thread takes, the rank puts back what its engine copied in)."""
 
     def __init__(self) -> None:
         self.free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
     def get(self, size: int) -> torch.Tensor:
-        spare = self.free.get(size)
-        return spare.pop() if spare else torch.empty(size, dtype=torch.uint8)
+        with self._lock:
+            spare = self.free.get(size)
+            if spare:
+                return spare.pop()
+        return torch.empty(size, dtype=torch.uint8)
 
     def put(self, buffers: list[torch.Tensor]) -> None:
-        for b in buffers:
-            self.free.setdefault(b.numel(), []).append(b)
+        with self._lock:
+            for b in buffers:
+                self.free.setdefault(b.numel(), []).append(b)

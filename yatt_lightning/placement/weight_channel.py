@@ -2,15 +2,15 @@
 
 One trainer (global rank 0, the head of data-parallel rank 0's model-parallel group) broadcasts on a
 group of itself and the rollout ranks. Every message starts with a fixed-size header (kind, version, the
-trainer's consumed step, the size of what follows), so a rollout rank can post the header's receive and
-poll it between its own steps without blocking. A ``WEIGHTS`` message then carries its tensor index (only
+trainer's consumed step, the size of what follows); a rollout rank receives them on a thread and takes what
+has arrived between its own steps. A ``WEIGHTS`` message then carries its tensor index (only
 when it differs from the last one sent: a policy's names and shapes do not change from version to
 version, so the header's size is ``SAME_INDEX`` and the buckets follow it at once) and the buckets, one
 broadcast each (:mod:`~yatt_lightning.placement.weight_buckets`: packed; with ``direct_bytes``, large
 storages as they are); an ``ACK`` carries nothing (a step whose batch was dropped: no new version, but the producer
 learns the trainer moved on); a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the
 trainers' :class:`SaveDecision` of a step (checkpoint and stop, or go on), which the rollout ranks follow
-at their own safe point. The trainer's broadcasts are asynchronous (gloo runs them on its own threads),
+at their own safe point; ``END`` (nothing) is the trainer's last message. The trainer's broadcasts are asynchronous (gloo runs them on its own threads),
 so training goes on while the bytes move.
 
 Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
@@ -22,6 +22,8 @@ broadcasts them; vLLM shards them for its own tensor parallelism.
 from __future__ import annotations
 
 import pickle
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +33,7 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
 from yatt_lightning.placement.weight_buckets import BufferPool, Entry, fill, layout, unpack
 
-WEIGHTS, ACK, DECISION, FAILURE = 1, 0, 2, 3
+WEIGHTS, ACK, DECISION, FAILURE, END = 1, 0, 2, 3, 4
 SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
 FIRST_BUCKET = 1 << 20  # bytes; each next packed bucket may be twice the one before, up to ``bucket_bytes``
 
@@ -143,51 +145,72 @@ class Received:
 
 
 class WeightReceiver:
-    """A rollout rank's end: polls the trainer's messages between its own steps."""
+    """A rollout rank's end: a thread receives the trainer's messages as they come, and the rank takes what
+    has arrived between its own steps (:meth:`poll`).
+
+    Receiving in a thread, not in the rank's polls, means a version is taken off the wire whatever the rank
+    is doing (generating without in-flight updates, in a callback's collective at the end of the run): the
+    trainer, which holds its next update until the storages it sent as they are have left
+    (``direct_bytes``), never waits for the rollout rank's next poll. The thread blocks in gloo (the GIL
+    released) between messages and ends at the trainer's ``END`` or ``FAILURE``."""
 
     def __init__(self, group, src: int) -> None:
         self.group, self.src = group, src
         self.state = Received()
-        self.pool = BufferPool()  # buckets of versions the engine has copied in
+        self.pool = BufferPool()  # buckets of versions the engine has copied in (the thread takes from it)
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
         self.index: tuple[list[Entry], list[int]] = ([], [])  # of the last WEIGHTS message: entries, sizes
-        self._post()
+        self.ended = False  # the trainer sent END: nothing more comes
+        self._arrived: queue.Queue = queue.Queue()  # (kind, version, consumed, what) in order of arrival
+        self._thread = threading.Thread(target=self._receive, name=f"yatt-weights-from-{src}", daemon=True)
+        self._thread.start()
 
-    def _post(self) -> None:
-        self.header = torch.zeros(4, dtype=torch.int64)
-        self.work = torch.distributed.broadcast(self.header, src=self.src, group=self.group, async_op=True)
+    def _receive(self) -> None:
+        try:
+            while True:
+                header = torch.zeros(4, dtype=torch.int64)
+                with wire.category("weights"):
+                    torch.distributed.broadcast(header, src=self.src, group=self.group)
+                    kind, version, consumed, size = header.tolist()
+                    payload = torch.empty(max(size, 0), dtype=torch.uint8)
+                    if size > 0:
+                        torch.distributed.broadcast(payload, src=self.src, group=self.group)
+                    what = payload.numpy().tobytes()
+                    if kind == WEIGHTS:
+                        if size != SAME_INDEX:
+                            self.index = pickle.loads(what)
+                        entries, sizes = self.index
+                        buckets = [self.pool.get(size) for size in sizes]
+                        works = [torch.distributed.broadcast(b, src=self.src, group=self.group, async_op=True)
+                                 for b in buckets]  # fmt: skip
+                        for work in works:  # all posted at once: the buckets stream without a round trip each
+                            work.wait()
+                        what = (unpack(entries, buckets), buckets)
+                self._arrived.put((kind, version, consumed, what))
+                if kind in (END, FAILURE):
+                    return
+        except Exception as err:  # the channel broke (the trainer died): the rank raises it at its next poll
+            self._arrived.put((FAILURE, -1, -1, f"{type(err).__name__}: {err}".encode()))
 
     def poll(self) -> bool:
         """Take every message that has arrived; True if any did."""
         got = False
-        while self.work.is_completed():
-            self.work.wait()
-            kind, version, consumed, size = self.header.tolist()
-            payload = torch.empty(max(size, 0), dtype=torch.uint8)
-            with wire.category("weights"):
-                if size > 0:
-                    torch.distributed.broadcast(payload, src=self.src, group=self.group)
-                if kind == FAILURE:
-                    raise RankFailure(self.src, payload.numpy().tobytes().decode(), agreed=False,
-                                      how="the trainer publishing the weights failed")  # fmt: skip
-                if kind == DECISION:
-                    self.state.decisions.append(pickle.loads(payload.numpy().tobytes()))
-                if kind == WEIGHTS:
-                    if size != SAME_INDEX:
-                        self.index = pickle.loads(payload.numpy().tobytes())
-                    entries, sizes = self.index
-                    buckets = [self.pool.get(size) for size in sizes]
-                    works = [torch.distributed.broadcast(b, src=self.src, group=self.group, async_op=True) for b in buckets]
-                    for work in works:  # all posted at once: the buckets stream without a round trip each
-                        work.wait()
-                    self.state.versions[version] = unpack(entries, buckets)
-                    self.buckets[version] = buckets
-                    self.state.latest = max(self.state.latest, version)
+        while True:
+            try:
+                kind, version, consumed, what = self._arrived.get_nowait()
+            except queue.Empty:
+                return got
+            if kind == FAILURE:
+                raise RankFailure(self.src, what.decode(), agreed=False, how="the trainer publishing the weights failed")
+            if kind == DECISION:
+                self.state.decisions.append(pickle.loads(what))
+            if kind == WEIGHTS:
+                self.state.versions[version], self.buckets[version] = what
+                self.state.latest = max(self.state.latest, version)
+            self.ended = self.ended or kind == END
             self.state.consumed = max(self.state.consumed, consumed)
             got = True
-            self._post()
-        return got
 
     def wait(self, ready, what: str, timeout_s: float) -> float:
         """Poll until ``ready(state)``; returns the seconds waited. Raises after ``timeout_s`` naming ``what``."""
@@ -210,6 +233,10 @@ class WeightReceiver:
         for old in [v for v in self.buckets if v < version]:  # never taken
             self.pool.put(self.buckets.pop(old))
         return named
+
+    def join(self, timeout_s: float) -> None:
+        """After ``END``: the receiving thread is done (before the process group goes)."""
+        self._thread.join(timeout_s)
 
 
 class LiveWeights:
