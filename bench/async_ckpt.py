@@ -17,7 +17,8 @@ block has started), then:
 - ``sync``: a synchronous save at the same place; its duration is the synchronous save time.
 
 After a warm-up (one async block, one sync block: the first save of each kind), the pattern
-``async none none async sync`` repeats ``--repeats`` times (default 4): each async block is paired with
+``async none none async sync`` repeats ``--repeats`` times (default 10: 20 pairs, ~9.5 min; with 8 pairs one run's
+figure moved by +-0.06 from run to run): each async block is paired with
 the none block next to it (ABBA order), both arms in the same process on the same model, state sizes and
 kind of batches. Between blocks, outside the timed span, older checkpoints are deleted synchronously.
 
@@ -34,7 +35,7 @@ and an async block's after-effect to the none block after it).
 The older estimators are printed too: whole blocks (``whole_ratio``) and each block against its own clean
 steps (``within_ratio``).
 
-    python bench/async_ckpt.py [--size medium|small] [--every 6] [--clean 2] [--repeats 4] [--smoke] [overrides]
+    python bench/async_ckpt.py [--size medium|small] [--every 6] [--clean 2] [--repeats 10] [--smoke] [overrides]
 
 Last line: ``stall_ratio=<x>``; target <= 0.2 at the default size. ``main_thread_share``: the training thread's extra
 CPU per async save over a synchronous save's whole CPU (every thread and writer process): the share of the work
@@ -160,7 +161,7 @@ class Blocks(Callback):
 
 def _options(argv: list[str]) -> tuple[dict, list[str]]:
     """Pop this bench's options from ``argv``; the rest are yatt CLI overrides."""
-    opts = {"size": "medium", "every": 6, "clean": 2, "repeats": 4, "smoke": False, "dump": None}
+    opts = {"size": "medium", "every": 6, "clean": 2, "repeats": 10, "smoke": False, "dump": None}
     rest: list[str] = []
     it = iter(argv)
     for arg in it:
