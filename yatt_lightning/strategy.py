@@ -332,5 +332,7 @@ def _run_even_when_done(fit_loop) -> None:
     decisions. Running the loop's start and end, the rank follows them to the trainers' end (AsyncCheckpoint)
     and ends the channels (``Disaggregated.finish``)."""
     base = type(fit_loop)
+    if getattr(base, "runs_even_when_done", False):  # setup runs again (a second fit or validate)
+        return
     skip = property(lambda loop: loop.trainer.limit_train_batches == 0)
-    fit_loop.__class__ = type(f"RunEvenWhenDone{base.__name__}", (base,), {"skip": skip})
+    fit_loop.__class__ = type(f"RunEvenWhenDone{base.__name__}", (base,), {"skip": skip, "runs_even_when_done": True})

@@ -360,7 +360,7 @@ class Disaggregated(SavePoints, Placement):
             for trainer in self._trainers_served():
                 self.sender.send(EndOfRun(), trainer)
             self.sender.flush()
-            self.receiver.wait(lambda s: self.receiver.ended, f"the end of the trainers' step {last_step}", self.timeout_s)
+            self.receiver.wait(lambda s: s.ended, f"the end of the trainers' step {last_step}", self.timeout_s)
             self.receiver.join(self.timeout_s)
         elif self.publisher is not None:
             self.publisher.publish(END, self.updates, last_step)

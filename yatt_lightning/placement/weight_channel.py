@@ -142,6 +142,7 @@ class Received:
     consumed: int = -1  # the last step the trainer has consumed
     latest: int = 0  # the newest version announced
     decisions: list[SaveDecision] = field(default_factory=list)  # not yet followed, oldest first
+    ended: bool = False  # the trainer sent END: nothing more comes
 
 
 class WeightReceiver:
@@ -161,7 +162,6 @@ class WeightReceiver:
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
         self.index: tuple[list[Entry], list[int]] = ([], [])  # of the last WEIGHTS message: entries, sizes
-        self.ended = False  # the trainer sent END: nothing more comes
         self._arrived: queue.Queue = queue.Queue()  # (kind, version, consumed, what) in order of arrival
         self._thread = threading.Thread(target=self._receive, name=f"yatt-weights-from-{src}", daemon=True)
         self._thread.start()
@@ -208,7 +208,7 @@ class WeightReceiver:
             if kind == WEIGHTS:
                 self.state.versions[version], self.buckets[version] = what
                 self.state.latest = max(self.state.latest, version)
-            self.ended = self.ended or kind == END
+            self.state.ended = self.state.ended or kind == END
             self.state.consumed = max(self.state.consumed, consumed)
             got = True
 
