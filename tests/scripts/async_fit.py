@@ -6,11 +6,13 @@
 Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
 and the async figures; also appended as it goes to OUT_DIR/record.jsonl, across resumed runs) and
 OUT_DIR/weights.safetensors (the final policy under Hugging Face names). ``--slow-train``: every training
-step sleeps that long first (a slow consumer); ``--slow-generate``: the rollout rank's engine sleeps that long
-before each of its steps (a slow producer, whose generations a published version lands in the middle of). ``--fail-at``: the reward raises at that step on the rank
-that scores (a failing rollout rank). ``--kill sigterm-rollout:STEP`` (``sigterm-train:STEP``): the rollout rank (the
-trainer) sends itself SIGTERM as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group as its RL
-step STEP starts. The run is the real ``yatt fit`` (``--ckpt_path last``, the exit code 128 + signal).
+step sleeps that long first (a slow consumer); ``--slow-generate``: the rollout rank's engine sleeps that
+long before each of its steps (a slow producer, in whose generations a published version lands).
+``--fail-at``: the reward raises at that step on the rank that scores (a failing rollout rank).
+``--kill sigterm-rollout:STEP`` (``sigterm-train:STEP``): the rollout rank (the trainer) sends itself
+SIGTERM as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group
+as its RL step STEP starts. The run is the real ``yatt fit`` (``--ckpt_path last``, the exit code 128 +
+signal).
 """
 
 import json

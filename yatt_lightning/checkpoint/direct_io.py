@@ -18,10 +18,12 @@ The writer is a thread of the training process, so its work reaches training twi
 writer holds it) and through the memory and the cache the two cores share. So the copy into the chunk goes
 through numpy, which releases the GIL (a memoryview assignment holds it for the whole memcpy), and the
 CRC-32 is ISA-L's (``isal``: the same values as zlib's, ~14 GB/s against ~1.9 GB/s here, the GIL released
-too): the writer's CPU per 582 MiB save fell from 450-520 ms to ~415 ms, most of the rest being the copy
-and the writes. The chunk stays at 4 MiB: at 16-32 MiB the chunk no longer stays in the shared cache for
-its CRC and write, and the writer's CPU rose to 500-700 ms (``bench/RESULTS.md``, 2026-12-05). Where the filesystem refuses
-``O_DIRECT`` (tmpfs, some network filesystems) the same stream writes through the page cache.
+too): the writer's CPU in the step after a 582 MiB save fell from 450-520 ms to 300-320 ms, most of the
+rest being the copy and the writes. The chunk stays at 4 MiB: at 16-32 MiB it no longer stays in the shared
+cache for its CRC and write, and the writer's CPU rose to 500-700 ms (``bench/RESULTS.md``, 2026-12-05).
+
+Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems) the same stream writes through
+the page cache.
 """
 
 from __future__ import annotations
@@ -70,8 +72,7 @@ class DirectFile(io.RawIOBase):
                 raise
             self._fd, self.direct = os.open(self.path, flags, 0o644), False  # tmpfs and the like
         self._buf = _chunk()
-        self._view = memoryview(self._buf)
-        self._array = np.frombuffer(self._buf, dtype=np.uint8)
+        self._array = np.frombuffer(self._buf, dtype=np.uint8)  # the chunk; its copies, CRC and writes free the GIL
         self._fill = 0
         self._size = 0
         self._crc = 0
@@ -104,15 +105,14 @@ class DirectFile(io.RawIOBase):
             if self._fill:
                 tail = self._fill
                 padded = tail + (-tail % BLOCK) if self.direct else tail
-                self._view[tail:padded] = bytes(padded - tail)
+                self._array[tail:padded] = 0
                 self._write_chunk(padded, crc_bytes=tail)
                 if padded != tail:
                     os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
-            del self._array  # before the view's release: it exports the chunk's buffer too
-            self._view.release()
+            del self._array  # it exports the chunk's buffer (a chunk made while the thread's was busy can go)
             if self._buf is getattr(_chunks, "buf", None):
                 _chunks.busy = False
             super().close()
@@ -120,9 +120,9 @@ class DirectFile(io.RawIOBase):
             _described[os.path.abspath(self.path)] = (self._size, self._crc)
 
     def _write_chunk(self, nbytes: int, crc_bytes: int | None = None) -> None:
-        self._crc = crc32(self._view[: nbytes if crc_bytes is None else crc_bytes], self._crc)
-        out = self._view[:nbytes]
-        while out:
+        self._crc = crc32(self._array[: nbytes if crc_bytes is None else crc_bytes], self._crc)
+        out = self._array[:nbytes]
+        while out.size:
             try:
                 written = os.write(self._fd, out)
             except OSError as err:

@@ -10,8 +10,8 @@ broadcast each (:mod:`~yatt_lightning.placement.weight_buckets`: packed; with ``
 storages as they are); an ``ACK`` carries nothing (a step whose batch was dropped: no new version, but the producer
 learns the trainer moved on); a ``FAILURE`` carries the trainer's cause; a ``DECISION`` carries the
 trainers' :class:`SaveDecision` of a step (checkpoint and stop, or go on), which the rollout ranks follow
-at their own safe point; ``END`` (nothing) is the trainer's last message. The trainer's broadcasts are asynchronous (gloo runs them on its own threads),
-so training goes on while the bytes move.
+at their own safe point; ``END`` (nothing) is the trainer's last message. The trainer's broadcasts are
+asynchronous (gloo runs them on its own threads), so training goes on while the bytes move.
 
 Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
 different parallelism. The destination here is a vLLM engine, which loads Hugging Face names through its
