@@ -17,9 +17,10 @@ Figures (means over the steps after ``--warmup``; throughput = samples / wall ti
   never waits);
 * ``async_over_colocated`` = throughput lag 1 / colocated (reported, not a target);
 * ``reward_gap`` = mean reward over the last fifth of the steps, lag 0 minus lag 1 (equal samples);
-* ``publish_over_bare`` = after the lag-1 run, a publish of the trainer's weights (export, pack, the
-  broadcast until the rollout rank holds it) / a bare broadcast of the same bytes on the same ranks, from
-  and into buffers allocated and touched beforehand (the transfer alone), best of 15 alternating pairs;
+* ``publish_over_bare`` = after the lag-1 run, a publish of the trainer's weights (what it sends, the
+  broadcast, and the rollout rank's renaming, until it holds the engine's tensors) / a bare broadcast of
+  the same bytes on the same ranks, from and into buffers allocated and touched beforehand (the transfer
+  alone), each from the trainer's start (the receives posted before), best of 30 alternating pairs;
 * ``push_over_vllm_load`` = after the colocated run, one colocated push (export + the engine's reload) /
   the engine's reload of the same tensors, already exported (median of 3).
 
@@ -88,14 +89,16 @@ def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
 
-REPEATS = 15
+REPEATS = 30
 
 
 def _publish_over_bare(strategy, module) -> dict:
     """One more publish of the trainer's weights, and a bare broadcast of as many bytes between the same two
-    ranks over the same backend, each timed on the rollout rank from a common start to holding the bytes.
-    (The bare one uses a group of its own: the rollout rank always has the next header's receive posted on
-    the publish group, which another collective there would cross.)"""
+    ranks over the same backend, each timed from the trainer's start to the rollout rank holding the bytes
+    (both processes read this host's monotonic clock). In both the rollout rank's receive is posted before
+    the start: the receiving thread always has the next header's receive posted, and the bare one is posted
+    before the barrier. (The bare one uses a group of its own: another collective on the publish group would
+    cross that posted receive.)"""
     import torch
 
     from yatt_lightning.placement.weight_channel import WEIGHTS
@@ -105,30 +108,44 @@ def _publish_over_bare(strategy, module) -> dict:
     version = torch.tensor([placement.updates + 1])  # the trainer's next version
     torch.distributed.broadcast(version, src=0)
     version = int(version)
+    trainer = strategy.role == "train"
     size = torch.zeros(1, dtype=torch.int64)
-    if strategy.role == "train":
-        size[0] = sum(t.numel() * t.element_size() for _, t in module.policy.export_hf())
+    if trainer:  # one publish first: the bare one moves as many bytes as a publish sends
+        named, rename = placement.weights_of(module.policy)
+        placement.publisher.publish(WEIGHTS, version, -1, named, rename=rename)
+        placement.publisher.flush(placement.timeout_s)
+        size[0] = placement.publisher.sent_bytes
+    else:
+        placement.receiver.wait(lambda s: s.latest >= version, f"version {version}", placement.timeout_s)
+        placement.receiver.take(version)
+    version += 1
+    torch.distributed.broadcast(size, src=0)  # the rollout rank learns the size for the bare one
+    bare = torch.ones(int(size[0]), dtype=torch.uint8)  # touched on both ranks: the bare one times the transfer
     times = {"publish": [], "bare": []}
-    bare = None
     for repeat in range(REPEATS):  # alternating, best of each: a transfer of ~40 ms moves 4x with the load
         for what in ("publish", "bare"):
+            posted = None
+            if what == "bare" and not trainer:
+                posted = torch.distributed.broadcast(bare, src=0, group=bare_group, async_op=True)
             torch.distributed.barrier()
-            t0 = time.perf_counter()
-            if what == "publish" and strategy.role == "train":  # exported as it is sent, as the trainer does
-                placement.publisher.publish(WEIGHTS, version + repeat, -1, placement.exported(module.policy.export_hf))
+            start = time.monotonic()
+            if what == "publish" and trainer:  # exported as it is sent, as the trainer does
+                named, rename = placement.weights_of(module.policy)
+                placement.publisher.publish(WEIGHTS, version + repeat, -1, named, rename=rename)
                 placement.publisher.flush(placement.timeout_s)
             elif what == "publish":
                 placement.receiver.wait(lambda s, v=version + repeat: s.latest >= v, f"version {version + repeat}",
                                         placement.timeout_s)  # fmt: skip
                 placement.receiver.take(version + repeat)
-            else:
+            elif trainer:
                 torch.distributed.broadcast(bare, src=0, group=bare_group)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            torch.distributed.broadcast(elapsed, src=placement.rollout[0])  # the rollout rank's clock counts
-            times[what].append(float(elapsed))
-            if what == "publish" and repeat == 0:
-                torch.distributed.broadcast(size, src=0)  # the rollout rank learns the size for the bare one
-                bare = torch.ones(int(size[0]), dtype=torch.uint8)  # touched: the bare one times the transfer only
+            else:
+                posted.wait()
+            held = time.monotonic()
+            start_end = torch.tensor([start, held], dtype=torch.float64)
+            torch.distributed.broadcast(start_end[:1], src=0)  # the trainer's start
+            torch.distributed.broadcast(start_end[1:], src=placement.rollout[0])  # the rollout rank's end
+            times[what].append(float(start_end[1] - start_end[0]))
     return {"publish_s": min(times["publish"]), "bare_s": min(times["bare"]),
             "bytes": int(size[0])}  # fmt: skip
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, read_scalars, run, yatt
+from tests.helpers import REPO, read_scalars, run, spawn_gloo, yatt
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.placement import Disaggregated
 from yatt_lightning.placement.weight_buckets import fill, layout, pack, unpack
@@ -94,6 +94,77 @@ def test_large_storages_go_as_they_are_and_their_views_come_back_bitwise():
     with pytest.raises(RuntimeError, match="expected q"):
         list(fill(moved, entries, sizes, lambda size: torch.empty(size, dtype=torch.uint8)))
     assert layout(moved, bucket_bytes=64, direct_bytes=128) != (entries, sizes)  # the publisher sends a new index
+
+
+def _megatron_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    """A one-layer trainer's parameters under Megatron names, views of one storage (as a disaggregated
+    trainer keeps them), their values set by ``version``."""
+    shapes = [("embedding.word_embeddings.weight", (40, 32)), ("decoder.layers.0.self_attention.linear_qkv.weight", (64, 32)),
+              ("decoder.layers.0.self_attention.linear_qkv.bias", (64,)), ("decoder.layers.0.mlp.linear_fc1.weight", (48, 32)),
+              ("decoder.final_layernorm.weight", (32,)), ("output_layer.weight", (40, 32))]  # fmt: skip
+    flat = torch.randn(sum(torch.Size(s).numel() for _, s in shapes), generator=torch.Generator().manual_seed(version))
+    named, offset = [], 0
+    for name, shape in shapes:
+        named.append((name, flat[offset : offset + torch.Size(shape).numel()].view(shape)))
+        offset += torch.Size(shape).numel()
+    return named
+
+
+def _tiny_names():
+    from transformers import Qwen2Config
+
+    from yatt_lightning.models.gpt import HFArch
+    from yatt_lightning.models.hf_names import HFNames
+
+    # 4 query heads in 2 groups of head_dim 8: q, k and v are not views of the fused weight
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_hidden_layers=1, intermediate_size=24, vocab_size=40, tie_word_embeddings=False)  # fmt: skip
+    return HFNames(HFArch.from_hf_config(config))
+
+
+def _weight_channel_rank(rank, port, queue):
+    from yatt_lightning.placement.weight_channel import END, WEIGHTS, WeightPublisher, WeightReceiver
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group, names, out = torch.distributed.new_group([0, 1], backend="gloo"), _tiny_names(), []
+    if rank == 0:
+        publisher = WeightPublisher(group, 0, bucket_bytes=1 << 20, direct_bytes=1024, part_bytes=4096)
+    else:
+        receiver = WeightReceiver(group, 0, part_bytes=4096)
+    for version in (1, 2, 3):
+        if rank == 0:
+            publisher.flush(60, only_direct=True)  # before the trainer changes what it sent as it is
+            publisher.publish(WEIGHTS, version, version - 1, _megatron_tensors(version), rename=names)
+            out.append(publisher.sent_bytes)
+        else:
+            receiver.wait(lambda s, v=version: s.latest >= v, f"version {version}", 60)
+            got = receiver.take(version)
+            expected = [(n, t.clone()) for name, full in _megatron_tensors(version) for n, t in names(name, full)]
+            same = [n for n, _ in got] == [n for n, _ in expected] and all(
+                a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True)
+            )  # fmt: skip
+            out.append((same, dict(got)["model.layers.0.self_attn.q_proj.weight"].data_ptr()))
+        torch.distributed.barrier()  # the next version is sent after this one was taken
+    if rank == 0:
+        publisher.publish(END, 3, 3)
+        publisher.flush(60)
+    else:
+        receiver.wait(lambda s: s.ended, "the end", 60)
+        receiver.join(60)
+    queue.put((rank, out))
+
+
+@pytest.mark.distributed
+def test_parameters_sent_as_they_are_in_parts_arrive_renamed_to_the_export():
+    """The trainer's one storage travels in parts; the rollout rank renames each tensor as soon as its part
+    has arrived (q, k and v copied out of the fused QKV into buffers it reuses two versions later)."""
+    results = spawn_gloo(_weight_channel_rank, timeout=120)
+    sent, received = results[0], results[1]
+    assert sent == [4 * sum(torch.Size(s).numel() for s in [(40, 32), (64, 32), (64,), (48, 32), (32,), (40, 32)])] * 3
+    assert sent[0] > 3 * 4096  # more than three parts: the renaming runs while later parts arrive
+    assert all(same for same, _ in received)
+    assert received[2][1] == received[0][1] != received[1][1]  # version 3 reuses version 1's buffers
 
 
 # ---------------------------------------------------------------------------------------------- real runs

@@ -50,7 +50,7 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are
         # noise here (bench/RESULTS.md has the full size); what must hold is the structure of the runs
         assert 1.0 <= f["bound"] <= 2.0 and f["x"] > 0.5 and abs(f["gap"]) < 0.2
-        assert f["v"] > 0.2 and f["u"] > 0.8  # a push includes vLLM's own load of the same tensors
+        assert f["v"] > 0.8 and f["u"] > 0.8  # a publish moves its bytes and more; a push includes vLLM's load
     elif name == "controller_scaling.py":
         assert f["data"] < 0.3 and 0 < f["total"] <= 1
     elif name == "dp_balance.py":

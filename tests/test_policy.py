@@ -35,11 +35,11 @@ def hf_model(tiny_model_path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
 
 
-def _policy(path, lr=1e-3):
+def _policy(path, lr=1e-3, one_storage=False):
     from yatt_lightning.models.policy import MegatronPolicy
     from yatt_lightning.training.optim import OptimizerSettings
 
-    return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=0.0))
+    return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=0.0), one_storage=one_storage)
 
 
 def _logits_of(policy, ids):
@@ -121,13 +121,38 @@ def _train_one_step(policy) -> tuple[bool, float]:
 
 
 def test_optimizer_step_changes_weights(megatron_world, tiny_model_path):
-    policy = _policy(tiny_model_path)
+    policy = _policy(tiny_model_path, one_storage=True)
     before = {k: v.clone() for k, v in policy.export_hf()}
     applied, grad_norm = _train_one_step(policy)
     after = dict(policy.export_hf())
     assert applied and grad_norm > 0
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before)
+    storages = {p.untyped_storage().data_ptr() for p in policy.local_module().parameters()}
+    assert len(storages) == 1  # updated in place: a publish still sends the policy as one storage
+
+
+def test_the_rollout_rank_renames_the_parameters_sent_as_they_are_to_the_export(megatron_world, tiny_model_path):
+    """A trainer of one model-parallel rank sends its parameters' one storage as it is; the rollout rank
+    renames them (q, k and v flattened out of the fused QKV into buffers it reuses) to exactly the export."""
+    from yatt_lightning.placement.weight_buckets import BufferPool, fill, layout, unpack
+    from yatt_lightning.placement.weight_channel import renamed
+
+    policy = _policy(tiny_model_path, one_storage=True)
+    named = policy.local_tensors()
+    entries, sizes = layout(named, bucket_bytes=1 << 20, direct_bytes=1 << 20)
+    sent = list(fill(named, entries, sizes, lambda size: torch.empty(size, dtype=torch.uint8)))
+    assert sizes == [sum(t.numel() * 4 for _, t in named)] and not sent[0][1]  # one message, not a copy
+    pool = BufferPool()
+    got, copies = renamed(unpack(entries, [sent[0][0].clone()]), policy.hf_names, pool)
+    exported = list(policy.export_hf())
+    assert [n for n, _ in got] == [n for n, _ in exported]
+    assert all(torch.equal(a, b) and a.shape == b.shape for (_, a), (_, b) in zip(got, exported, strict=True))
+    layers = policy.arch.num_layers
+    assert len(copies) == 6 * layers  # q, k, v of each layer's weight and bias (2 query groups: not views)
+    pool.put(copies)
+    _, again = renamed(unpack(entries, [sent[0][0].clone()]), policy.hf_names, pool)
+    assert {c.data_ptr() for c in again} == {c.data_ptr() for c in copies}  # the next version reuses them
 
 
 def test_offload_releases_the_training_state_and_onload_restores_it_bitwise(megatron_world, tiny_model_path):

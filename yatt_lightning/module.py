@@ -217,7 +217,9 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             self.trainer.strategy.rollout.configure(self._rollout_setup())
             return
         dtype = self.policy_spec.torch_dtype()
-        self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
+        publishes = self.trainer.strategy.role == "train"  # a disaggregated trainer: sends its parameters as they are
+        self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed,
+                                     one_storage=publishes)  # fmt: skip
         if self.kl_coef > 0:
             self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
         if self.critic is not None:

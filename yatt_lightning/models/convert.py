@@ -78,9 +78,10 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ names
 def megatron_to_hf(
-    name: str, full: torch.Tensor, arch: HFArch, layer_offset: int = 0
+    name: str, full: torch.Tensor, arch: HFArch, layer_offset: int = 0, grouped: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
-    """Hugging Face (name, tensor) pairs for one full (TP-gathered) Megatron tensor."""
+    """Hugging Face (name, tensor) pairs for one full (TP-gathered) Megatron tensor; ``grouped``: q, k and v
+    as views of the fused tensor, by query group (:func:`split_qkv`)."""
     if name in _TOP_SIMPLE:
         if name == "output_layer.weight" and arch.tie_word_embeddings:
             return []  # tied: the engine reuses embed_tokens
@@ -97,7 +98,7 @@ def megatron_to_hf(
         return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
-        q, k, v = split_qkv(full, arch)
+        q, k, v = split_qkv(full, arch, grouped)
         attn = prefix + "self_attn."
         return [(attn + f"q_proj.{kind}", q), (attn + f"k_proj.{kind}", k), (attn + f"v_proj.{kind}", v)]
     raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
@@ -134,9 +135,16 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArch) -
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, arch: HFArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    qkv: torch.Tensor, arch: HFArch, grouped: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of Megatron's fused tensor (interleaved by query group). ``grouped``: views of shape
+    (query groups, rows per group, ...); the Hugging Face tensors are those flattened (a copy when there is
+    more than one group)."""
     groups, per_group, hd = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
     rest = qkv.shape[1:]
     qkv = qkv.reshape(groups, (per_group + 2) * hd, *rest)
     q, k, v = qkv.split([per_group * hd, hd, hd], dim=1)
+    if grouped:
+        return q, k, v
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

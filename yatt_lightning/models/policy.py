@@ -21,6 +21,7 @@ import torch
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
+from yatt_lightning.models.hf_names import HFNames, into_one_storage
 from yatt_lightning.training.optim import OptimizerSettings
 
 
@@ -32,6 +33,8 @@ class MegatronPolicy(torch.nn.Module):
     seed: Seed of Megatron's RNG tracker.
     value_head: Build a critic (:class:`~yatt_lightning.models.value_model.ValueModel`): the same trunk,
         a scalar value per position instead of logits. It is never exported to an engine.
+    one_storage: Keep the trained parameters in one storage per dtype (a disaggregated trainer's publish
+        sends them as they are, in one message; a checkpoint then writes each as a copy of its view).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class MegatronPolicy(torch.nn.Module):
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
         value_head: bool = False,
+        one_storage: bool = False,
     ) -> None:
         super().__init__()
         from megatron.core import parallel_state as ps
@@ -64,6 +68,7 @@ class MegatronPolicy(torch.nn.Module):
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.settings = optimizer
         self.offloaded = False
+        self._named_parameters: list | None = None
         self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU offload: (tensor, an alias of its storage)
         self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
         with megatron_cpu_context():
@@ -75,6 +80,7 @@ class MegatronPolicy(torch.nn.Module):
                 post_process=self.is_last_stage and not value_head, tied=not value_head,
             )  # fmt: skip
             self.layer_offset = get_transformer_layer_offset(self.config)
+            self.hf_names = HFNames(self.arch, self.vision_language, self.layer_offset)
             get = _safetensors_reader(self.path)
             reader = vlm.text_reader(get) if self.vision_language else get
             load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
@@ -96,6 +102,8 @@ class MegatronPolicy(torch.nn.Module):
                 self.model = gpt
                 self.optimizer = None
             else:
+                if one_storage:
+                    into_one_storage(gpt)
                 self.model, self.optimizer = _wrap_for_training(gpt, self.config, optimizer)
                 self.config.finalize_model_grads_func = self._timed(self.config.finalize_model_grads_func)
         # Seconds spent in the schedules' gradient synchronisation (waiting for the data-parallel peers and
@@ -273,10 +281,14 @@ class MegatronPolicy(torch.nn.Module):
                 full = convert.unshard(name, shards)
             else:
                 full = local
-            if self.vision_language:
-                yield from vlm.export_names(name, full, self.arch, self.layer_offset)
-            else:
-                yield from convert.megatron_to_hf(name, full, self.arch, self.layer_offset)
+            yield from self.hf_names(name, full)
+
+    def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's parameters under their Megatron names, as views (no copy); with TP = PP = 1, what
+        :meth:`export_hf` exports before :attr:`hf_names` renames them."""
+        if self._named_parameters is None:  # the same parameter objects for the policy's life
+            self._named_parameters = list(self.local_module().named_parameters())
+        return [(name, param.detach()) for name, param in self._named_parameters]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.local_module().parameters())

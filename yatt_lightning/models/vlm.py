@@ -88,11 +88,14 @@ def load_vision_weights(model: torch.nn.Module, get: Callable[[str], torch.Tenso
                 param.copy_(read(name).to(param.dtype))
 
 
-def export_names(name: str, full: torch.Tensor, arch: HFArch, layer_offset: int) -> Iterator[tuple[str, torch.Tensor]]:
+def export_names(
+    name: str, full: torch.Tensor, arch: HFArch, layer_offset: int, grouped: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face (vLLM) names for one full tensor of a :class:`~yatt_lightning.models.vlm_model.VisionLanguageModel`: the vision parts keep
     their names, the language model's get the ``language_model.`` prefix of published LLaVA checkpoints."""
     if name.startswith(VISION_PREFIXES):
         yield published_name(name), full
         return
-    for hf_name, tensor in convert.megatron_to_hf(name.removeprefix("language_model."), full, arch, layer_offset):
+    text_name = name.removeprefix("language_model.")
+    for hf_name, tensor in convert.megatron_to_hf(text_name, full, arch, layer_offset, grouped):
         yield f"language_model.{hf_name}", tensor

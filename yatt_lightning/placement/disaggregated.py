@@ -72,12 +72,12 @@ class Disaggregated(SavePoints, Placement):
             with ``on_stale: wait`` it cannot be more). With ``drop``, a larger queue keeps the producer busy
             and drops what ages past ``max_staleness`` in it.
         bucket_mb: Size of the buckets the weights travel in.
-        direct_mb: A storage of at least this many MiB (a parameter, a fused QKV weight) travels as it is,
-            without a copy into a bucket; the trainer's next update waits until it has left. ``null`` (the
-            default): every tensor is copied into buckets, the export read as it is sent (measured on the
-            small config: 26.6 ms packed, 25.9 ms direct, no gain here). Used when a
-            model-parallel group is one process, for host tensors (a GPU's are copied to host buckets; larger
-            groups gather their shards into new tensors anyway).
+        direct_mb: A storage of at least this many MiB travels as it is, without a copy into a bucket; the
+            trainer's next update waits until it has left. A trainer of one model-parallel rank keeps its
+            parameters in one storage per dtype, so its whole policy is one message (measured on the small
+            config, 46 MiB: 1.26-1.63x a bare broadcast, against 1.88-2.02x packed); ``null``: every tensor
+            is copied into buckets. Used for host tensors (a GPU's are copied to host buckets) when a
+            model-parallel group is one process (larger groups gather their shards into new tensors).
         in_flight_updates: The engine applies a newer version between its own steps, in the middle of a
             generation (its samples then record the first and last version of their tokens). Default: on,
             unless ``fixed_lag`` (which it would make timing-dependent).
@@ -93,7 +93,7 @@ class Disaggregated(SavePoints, Placement):
         publish_every: int = 1,
         queue_size: int | None = None,
         bucket_mb: float = 16.0,
-        direct_mb: float | None = None,
+        direct_mb: float | None = 4.0,
         timeout_s: float = 600.0,
         in_flight_updates: bool | None = None,
     ) -> None:
@@ -299,42 +299,45 @@ class Disaggregated(SavePoints, Placement):
     def too_stale(self, produced: Produced) -> bool:
         return self.on_stale == "drop" and self.updates - produced.version > self.max_staleness
 
-    def republish(self, export) -> None:
+    def republish(self, policy) -> None:
         """Resumed trainer, before its first step: the version it loaded, which the rollout ranks' engines
         (started from the base model) need."""
         if self.must_republish:
-            self._publish_weights(self.steps - 1, export)
+            self._publish_weights(self.steps - 1, policy)
             self.must_republish = False
 
-    def publish(self, step: int, updated: bool, export) -> float:
-        """After the trainer's step ``step``: the new version (``export()``: its Hugging Face tensors; collective
-        over the model-parallel group), or an acknowledgement when the step updated nothing or it is not time
-        to publish. Returns the seconds spent (exporting and posting)."""
+    def publish(self, step: int, updated: bool, policy) -> float:
+        """After the trainer's step ``step``: the new version of ``policy`` (a collective over the model-parallel
+        group), or an acknowledgement when the step updated nothing or it is not time to publish. Returns the
+        seconds spent (exporting and posting)."""
         t0 = time.perf_counter()
         if updated:
             self.updates += 1
         if updated and self.updates % self.publish_every == 0:
-            self._publish_weights(step, export)
+            self._publish_weights(step, policy)
         elif self.publisher is not None:
             self.publisher.publish(ACK, self.updates, step)
         return time.perf_counter() - t0
 
-    def _publish_weights(self, step: int, export) -> None:
+    def _publish_weights(self, step: int, policy) -> None:
         """Data-parallel rank 0's model-parallel group exports (a collective); its first rank publishes
         (the others only take part in the export's gathers)."""
         if self.publisher is not None:
-            self.publisher.publish(WEIGHTS, self.updates, step, self.exported(export))
+            named, rename = self.weights_of(policy)
+            self.publisher.publish(WEIGHTS, self.updates, step, named, rename=rename)
         elif rank() < self.model_parallel:
-            for _ in export():
+            for _ in policy.export_hf():
                 pass
 
-    def exported(self, export):
-        """What the publisher sends: the export read lazily as it is sent (each tensor is gathered or broadcast
-        as it is read); when the publisher sends storages as they are (``direct_bytes``) and the model-parallel
-        group is of one, the export's views of the parameters as a list, whose index it takes again each
-        version (:meth:`settle` before the next update)."""
-        direct = self.publisher is not None and self.publisher.direct_bytes is not None
-        return list(export()) if direct else export()
+    def weights_of(self, policy):
+        """What the publisher sends, and how the rollout rank renames it. A model-parallel group of one
+        sends the policy's parameters as they are (views of one storage: with ``direct_mb``, one message
+        without a copy), and the rollout rank applies ``policy.hf_names`` (its copy of q, k and v out of the
+        fused QKV weight). A larger group sends the Hugging Face export, read as it is sent (each tensor
+        gathered or broadcast as it is read)."""
+        if self.model_parallel == 1:
+            return policy.local_tensors(), policy.hf_names
+        return policy.export_hf(), None
 
     def settle(self) -> float:
         """Trainer, before it changes its parameters: what it sent as it is has left. Returns the seconds waited."""

@@ -120,12 +120,13 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def fill(
-    named, entries: list[Entry], sizes: list[int], new_buffer: Callable[[int], torch.Tensor]
+    named, entries: list[Entry], sizes: list[int], new_buffer: Callable[[int], torch.Tensor], check: bool = True
 ) -> Iterator[tuple[torch.Tensor, bool]]:
     """Each bucket in the index's order, with whether it was packed (a copy the sender may reuse once sent)
     or is a storage's own bytes: ``named`` is read lazily, tensor by tensor, and a bucket comes as soon as
     its last tensor was read. ``named`` must be the index's tensors in order, no more (a policy's names,
-    shapes and dtypes are the same in every version)."""
+    shapes and dtypes are the same in every version); ``check: False`` when the index was just taken of
+    ``named`` itself."""
     remaining = [0] * len(sizes)
     for e in entries:
         remaining[e.bucket] += 1
@@ -135,7 +136,8 @@ def fill(
     next_out = 0
     for e in entries:
         name, tensor = next(tensors, (None, None))
-        _check(e, name, tensor, sizes)
+        if check:
+            _check(e, name, tensor, sizes)
         if e.stride is not None:
             bucket = open_.get(e.bucket)
             if bucket is None:
@@ -174,6 +176,20 @@ def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list
     entries, sizes = layout(named, bucket_bytes)
     new = lambda size: torch.empty(size, dtype=torch.uint8)  # noqa: E731
     return entries, [bucket for bucket, _ in fill(named, entries, sizes, new)]
+
+
+def end_byte(e: Entry) -> int:
+    """One past the last byte of its bucket that entry ``e``'s tensor reads."""
+    if e.stride is None or not e.nbytes:
+        return e.offset + e.nbytes
+    itemsize = e.dtype.itemsize
+    return e.offset + (sum((size - 1) * stride for size, stride in zip(e.shape, e.stride, strict=True)) + 1) * itemsize
+
+
+def parts(bucket: torch.Tensor, part_bytes: int) -> list[torch.Tensor]:
+    """``bucket`` as the consecutive slices of at most ``part_bytes`` it travels in (one broadcast each), so
+    that the receiver can use the first tensors while the rest arrive. Both ends split alike."""
+    return list(bucket.split(part_bytes)) if bucket.numel() > part_bytes else [bucket]
 
 
 def unpack(entries: list[Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

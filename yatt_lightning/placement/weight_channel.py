@@ -16,7 +16,9 @@ asynchronous (gloo runs them on its own threads), so training goes on while the 
 Why not ``megatron.core.resharding`` (``swap_model_weights``): it copies between two Megatron models of
 different parallelism. The destination here is a vLLM engine, which loads Hugging Face names through its
 own loader (``reload_weights``), so the trainer exports Hugging Face tensors once (TP shards gathered) and
-broadcasts them; vLLM shards them for its own tensor parallelism.
+broadcasts them; vLLM shards them for its own tensor parallelism. A trainer of one model-parallel rank
+sends its parameters as they are instead (one storage, one message) with the renaming to Hugging Face
+names (:class:`~yatt_lightning.models.hf_names.HFNames`), which the rollout rank applies on receipt.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import torch
 
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
-from yatt_lightning.placement.weight_buckets import BufferPool, Entry, fill, layout, unpack
+from yatt_lightning.placement.weight_buckets import BufferPool, end_byte, fill, layout, parts, unpack
 
 WEIGHTS, ACK, DECISION, FAILURE, END = 1, 0, 2, 3, 4
 SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
 FIRST_BUCKET = 1 << 20  # bytes; each next packed bucket may be twice the one before, up to ``bucket_bytes``
+PART = 8 << 20  # bytes: a larger bucket travels in parts of this size (the receiver renames the first
+# tensors while the rest arrive; each broadcast costs ~0.25 ms here)
 
 
 @dataclass(frozen=True)
@@ -59,32 +63,46 @@ class SaveDecision:
 class WeightPublisher:
     """The trainer's end. ``publish`` returns at once; the sends finish in the background (gloo's threads).
 
-    A ``WEIGHTS`` message of a list of tensors (a model-parallel group of one: ``export_hf`` gives views of
-    the parameters) with ``direct_bytes`` (off by default) sends its large storages as they are (:mod:`~yatt_lightning.placement.weight_buckets`),
-    so the trainer must :meth:`flush` before it next changes its parameters; a lazy iterator (gathered
-    shards, built as they are read) is read bucket by bucket as it is sent, against the first version's index."""
+    A ``WEIGHTS`` message of a list of tensors (a model-parallel group of one: the parameters, views of one
+    storage) with ``direct_bytes`` sends its large storages as they are
+    (:mod:`~yatt_lightning.placement.weight_buckets`), so the trainer must :meth:`flush` before it next
+    changes its parameters; a lazy iterator (gathered shards, built as they are read) is read bucket by
+    bucket as it is sent, against the first version's index."""
 
-    def __init__(self, group, src: int, bucket_bytes: int, direct_bytes: int | None = None) -> None:
+    def __init__(
+        self, group, src: int, bucket_bytes: int, direct_bytes: int | None = None, part_bytes: int = PART
+    ) -> None:
         self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
-        self.pending: list = []  # (work, tensor, kind): a "packed" bucket the pool reuses once sent, a "direct"
+        self.part_bytes = part_bytes  # the receivers' must be the same
+        self.pending: list = []  # (works, tensor, kind): a "packed" bucket the pool reuses once sent, a "direct"
         # storage (the trainer's own: it waits before changing it) or a "message" (header, index)
         self.pool = BufferPool()  # packed buckets already sent, refilled by the next version (same layout)
-        self._sent_index: tuple | None = None  # (entries, bucket sizes) of the last index sent
+        self._sent_index: tuple | None = None  # (entries, bucket sizes, rename) of the last index sent
+        self.sent_bytes = 0  # the buckets' bytes of the last WEIGHTS message
 
     def publish(
-        self, kind: int, version: int, consumed: int, named=None, cause: str = "", decision: SaveDecision | None = None
+        self,
+        kind: int,
+        version: int,
+        consumed: int,
+        named=None,
+        cause: str = "",
+        decision: SaveDecision | None = None,
+        rename=None,
     ) -> float:
-        """Send one message; returns the seconds spent here (packing and posting, not the transfer)."""
+        """Send one message; returns the seconds spent here (packing and posting, not the transfer). ``rename``
+        (a picklable callable, sent with the index): the rollout rank turns each received (name, tensor) into
+        the engine's (name, tensor) pairs with it (the trainer sends its parameters as they are)."""
         t0 = time.perf_counter()
         self._reap()
         header_size = None  # the payload's
         if kind == WEIGHTS:
             index = None
             if isinstance(named, list):  # views: its index is cheap to take again (the storages may move)
-                index = layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes)
+                index = (*layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes), rename)
             elif self._sent_index is None:  # lazy: the first version's shapes make the index, sent once
                 named = list(named)
-                index = layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes)
+                index = (*layout(named, self.bucket_bytes, FIRST_BUCKET, self.direct_bytes), rename)
             if index is None or index == self._sent_index:
                 body, header_size = b"", SAME_INDEX
             else:
@@ -99,21 +117,24 @@ class WeightPublisher:
             self._send(header)
             self._send(payload)
             if kind == WEIGHTS:
-                entries, sizes = self._sent_index
-                for bucket, packed in fill(named, entries, sizes, self.pool.get):  # bucket k is on the wire
+                entries, sizes, _ = self._sent_index
+                self.sent_bytes = sum(sizes)
+                checked = not isinstance(named, list)  # a list's index was just taken of it
+                for bucket, packed in fill(named, entries, sizes, self.pool.get, checked):  # bucket k is on the wire
                     self._send(bucket, "packed" if packed else "direct")  # while k + 1 fills
         return time.perf_counter() - t0
 
     def _send(self, tensor: torch.Tensor, kind: str = "message") -> None:
         if tensor.numel():
-            work = torch.distributed.broadcast(tensor, src=self.src, group=self.group, async_op=True)
-            self.pending.append((work, tensor, kind))
+            works = [torch.distributed.broadcast(part, src=self.src, group=self.group, async_op=True)
+                     for part in parts(tensor, self.part_bytes)]  # fmt: skip
+            self.pending.append((works, tensor, kind))
 
     def _reap(self) -> None:
         pending, done = [], []
-        for work, tensor, kind in self.pending:
-            if not work.is_completed():
-                pending.append((work, tensor, kind))
+        for works, tensor, kind in self.pending:
+            if not all(work.is_completed() for work in works):
+                pending.append((works, tensor, kind))
             elif kind == "packed":
                 done.append(tensor)
         self.pending = pending
@@ -123,13 +144,14 @@ class WeightPublisher:
         """Wait until every message was sent (``only_direct``: the storages sent as they are, before the trainer
         changes them; at the end of the run, all; a rank that left fails this). Returns the seconds waited."""
         t0 = time.monotonic()
-        for work, _, kind in self.pending:
+        for works, _, kind in self.pending:
             if only_direct and kind != "direct":
                 continue
-            while not work.is_completed():
-                if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
-                time.sleep(0.0005)
+            for work in works:
+                while not work.is_completed():
+                    if time.monotonic() - t0 > timeout_s:
+                        raise TimeoutError(f"rank {self.src} waited {timeout_s:.0f} s for the rollout ranks to take its weights")
+                    time.sleep(0.0005)
         self._reap()
         return time.monotonic() - t0
 
@@ -155,13 +177,13 @@ class WeightReceiver:
     (``direct_bytes``), never waits for the rollout rank's next poll. The thread blocks in gloo (the GIL
     released) between messages and ends at the trainer's ``END`` or ``FAILURE``."""
 
-    def __init__(self, group, src: int) -> None:
-        self.group, self.src = group, src
+    def __init__(self, group, src: int, part_bytes: int = PART) -> None:
+        self.group, self.src, self.part_bytes = group, src, part_bytes
         self.state = Received()
         self.pool = BufferPool()  # buckets of versions the engine has copied in (the thread takes from it)
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
-        self.index: tuple[list[Entry], list[int]] = ([], [])  # of the last WEIGHTS message: entries, sizes
+        self.index: tuple = ([], [], None)  # of the last WEIGHTS message: entries, sizes, rename
         self._arrived: queue.Queue = queue.Queue()  # (kind, version, consumed, what) in order of arrival
         self._thread = threading.Thread(target=self._receive, name=f"yatt-weights-from-{src}", daemon=True)
         self._thread.start()
@@ -180,25 +202,49 @@ class WeightReceiver:
                     if kind == WEIGHTS:
                         if size != SAME_INDEX:
                             self.index = pickle.loads(what)
-                        entries, sizes = self.index
+                        entries, sizes, rename = self.index
                         buckets = [self.pool.get(size) for size in sizes]
-                        works = [torch.distributed.broadcast(b, src=self.src, group=self.group, async_op=True)
-                                 for b in buckets]  # fmt: skip
-                        for work in works:  # all posted at once: the buckets stream without a round trip each
-                            work.wait()
-                        what = (unpack(entries, buckets), buckets)
+                        what = self._weights(entries, buckets, rename)
                 self._arrived.put((kind, version, consumed, what))
                 if kind in (END, FAILURE):
                     return
         except Exception as err:  # the channel broke (the trainer died): the rank raises it at its next poll
             self._arrived.put((FAILURE, -1, -1, f"{type(err).__name__}: {err}".encode()))
 
-    def poll(self) -> bool:
-        """Take every message that has arrived; True if any did."""
+    def _weights(self, entries, buckets, rename) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """Receive a version's buckets (every part posted at once: they stream without a round trip each)
+        and, with ``rename``, rename each tensor as soon as the parts holding its bytes have arrived.
+        Returns the engine's tensors and the buffers they view (reused once the engine took them)."""
+        posted = [(b, part) for b, bucket in enumerate(buckets) for part in parts(bucket, self.part_bytes)]
+        works = [torch.distributed.broadcast(part, src=self.src, group=self.group, async_op=True) for _, part in posted]
+        named = unpack(entries, buckets)  # views, read once their parts have arrived
+        if rename is None:
+            for work in works:
+                work.wait()
+            return named, buckets
+        first: dict[int, int] = {}  # bucket -> the position of its first part in ``works``
+        for i, (b, _) in enumerate(posted):
+            first.setdefault(b, i)
+        needs = [first[e.bucket] + (end_byte(e) - 1) // self.part_bytes for e in entries]  # the part holding its last byte
+        out: list = [None] * len(entries)
+        arrived = 0
+        for i in sorted(range(len(entries)), key=needs.__getitem__):
+            while arrived <= needs[i]:
+                works[arrived].wait()
+                arrived += 1
+            out[i], copies = renamed([named[i]], rename, self.pool)
+            buckets = buckets + copies  # reused with the buckets once the engine took them
+        for work in works[arrived:]:
+            work.wait()
+        return [pair for pairs in out for pair in pairs], buckets
+
+    def poll(self, block_s: float = 0.0) -> bool:
+        """Take every message that has arrived (waiting up to ``block_s`` for the first); True if any did."""
         got = False
         while True:
             try:
-                kind, version, consumed, what = self._arrived.get_nowait()
+                kind, version, consumed, what = self._arrived.get(timeout=block_s) if block_s > 0 and not got else (
+                    self._arrived.get_nowait())  # fmt: skip
             except queue.Empty:
                 return got
             if kind == FAILURE:
@@ -213,14 +259,15 @@ class WeightReceiver:
             got = True
 
     def wait(self, ready, what: str, timeout_s: float) -> float:
-        """Poll until ``ready(state)``; returns the seconds waited. Raises after ``timeout_s`` naming ``what``."""
+        """Take messages as they arrive until ``ready(state)``; returns the seconds waited. Raises after
+        ``timeout_s`` naming ``what``."""
         t0 = time.monotonic()
         self.poll()
         while not ready(self.state):
-            if time.monotonic() - t0 > timeout_s:
+            left = timeout_s - (time.monotonic() - t0)
+            if left <= 0:
                 raise TimeoutError(f"rollout rank waited {timeout_s:.0f} s for {what} from trainer rank {self.src}")
-            time.sleep(0.0005)
-            self.poll()
+            self.poll(block_s=min(left, 1.0))  # wakes as the receiving thread hands a message over
         return time.monotonic() - t0
 
     def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
@@ -237,6 +284,24 @@ class WeightReceiver:
     def join(self, timeout_s: float) -> None:
         """After ``END``: the receiving thread is done (before the process group goes)."""
         self._thread.join(timeout_s)
+
+
+def renamed(named, rename, pool: BufferPool) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+    """The engine's tensors of the trainer's (``rename``'s views), and the buffers of ``pool`` it copied into:
+    a q, k or v of a fused QKV weight comes as a view by query group (one dimension more than the fused
+    tensor), flattened into a buffer the rank reuses (a fresh one would fault in every page of it again)."""
+    out, copies = [], []
+    for name, tensor in named:
+        for engine_name, view in rename(name, tensor, grouped=True):
+            if view.dim() > tensor.dim():
+                flat = (-1, *view.shape[2:])
+                if view.is_contiguous():
+                    view = view.view(flat)
+                else:
+                    copies.append(pool.get(view.numel() * view.element_size()))
+                    view = copies[-1].view(view.dtype).view(view.shape).copy_(view).view(flat)
+            out.append((engine_name, view))
+    return out, copies
 
 
 class LiveWeights:

@@ -91,7 +91,7 @@ class AsyncSteps:
         placement = strategy.placement
         step = placement.steps
         try:
-            placement.republish(self.policy.export_hf)  # resumed: the rollout ranks need the loaded version
+            placement.republish(self.policy)  # resumed: the rollout ranks need the loaded version
             produced, figures = placement.take(step)
             rollouts = produced.batch
             times = {k: produced.times[k] for k in ("rollout", "sync", "reward")}
@@ -100,13 +100,13 @@ class AsyncSteps:
                 placement.dropped += 1
                 figures["async/dropped"] = float(placement.dropped)
                 self.count_steps(len(rollouts))
-                placement.publish(step, updated=False, export=None)
+                placement.publish(step, updated=False, policy=None)
                 out = self.figures_only(rollouts, produced.reward_metrics, times, rank, figures)
             else:
                 figures["async/dropped"] = float(placement.dropped)
                 figures["async/publish_wait"] = placement.settle()  # storages the last version sent as they are
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
-                out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, export=self.policy.export_hf)
+                out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, policy=self.policy)
             placement.steps += 1
             return out
         except Exception as err:  # the rollout ranks wait for weights: tell them, then fail here
