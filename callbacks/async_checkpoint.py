@@ -152,6 +152,8 @@ class AsyncCheckpoint(Callback):
             self._signals.install()
         self._last_save_time = time.monotonic()
         self._start_step = trainer.global_step
+        if trainer.strategy.role != "colocated":  # a rollout rank that raises joins the trainers' save after it
+            trainer.strategy.placement.saves_after_failure = True
         if trainer.ckpt_path:  # resumed: the state at this step is already saved
             self._last_saved_step = self._scheduled_step = trainer.global_step
 
@@ -238,6 +240,9 @@ class AsyncCheckpoint(Callback):
             return
         if space.is_no_space(exception):
             return  # its message says what is saved; another save would meet the same full disk
+        if trainer.strategy.role != "colocated":
+            self._save_after_a_rollout_failure(trainer, pl_module, exception)
+            return
         if trainer.global_step == self._start_step:
             log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
             return
@@ -269,6 +274,46 @@ class AsyncCheckpoint(Callback):
                 "step is skipped on resume.", type(exception).__name__, trainer.global_step,
                 self.dirpath / ckpt.checkpoint_name(trainer.global_step),
             )  # fmt: skip
+        except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
+            log.error("saving after %s failed too: %s", type(exception).__name__, err)
+
+    def _save_after_a_rollout_failure(self, trainer, pl_module, exception: BaseException) -> None:
+        """Disaggregated: a rollout rank that raised (the only one) and its trainers save the state they
+        reached: the trainers after every batch it sent, the rollout rank after the last one. Any other
+        failure on either side leaves ``latest`` as it is."""
+        from yatt_lightning.placement.batch_channel import ProducerFailed
+
+        placement, role = trainer.strategy.placement, trainer.strategy.role
+        joins = isinstance(exception, ProducerFailed) and exception.joins_save
+        own = not isinstance(exception, RankFailure) and len(placement.rollout) == 1
+        if (role == "train" and not joins) or (role == "rollout" and not own):
+            log.error(
+                "not saving after %s: only a rollout rank's own failure (with one rollout rank) leaves both "
+                "sides in a state to save. `latest` in %s is unchanged.", type(exception).__name__, self.dirpath,
+            )  # fmt: skip
+            return
+        saved = None
+        try:
+            if role == "train":
+                trained = trainer.global_step != self._start_step
+                decisions = [placement.after_failure(trainer.global_step, save=trained)]
+            else:  # it follows the trainers' decisions, as at a safe point, to the one after its failure
+                decisions = placement.decisions_after_failure()
+            for decision in decisions:
+                if decision.save:
+                    if role == "rollout":
+                        placement.join_save(decision)
+                    self.save(trainer, asynchronous=False, step=decision.global_step)
+                    saved = decision.global_step
+            placement.finish(placement.steps - 1)  # both ends close the channels: their threads end
+            if saved is None:
+                log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
+            else:
+                log.error(
+                    "after %s: the trainers' state after step %d and the rollout rank's after the last batch it "
+                    "sent are consistent and were saved to %s; the batch of the failed step is skipped on resume.",
+                    type(exception).__name__, saved, self.dirpath / ckpt.checkpoint_name(saved),
+                )  # fmt: skip
         except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
             log.error("saving after %s failed too: %s", type(exception).__name__, err)
 

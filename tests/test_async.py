@@ -337,16 +337,26 @@ def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_rollout_rank_that_raises_stops_both_ranks_with_its_cause(tmp_path):
+def test_a_rollout_rank_that_raises_stops_both_ranks_with_its_cause_and_both_save_what_they_reached(tmp_path):
+    """The reward raises on the rollout rank as it scores step 3 (batches 0-2 sent). The trainer trains them,
+    and both ranks save that state (no save was scheduled) before they stop with the cause; resumed, the run
+    goes on past the failed step's batch to its end."""
+    out = tmp_path / "fail"
+    args = ["--trainer.max_steps=12", "--data.init_args.batch_size=4", "--trainer.callbacks", _saver(out / "ckpts", 100)]
     t0 = time.monotonic()
-    result = _fit(tmp_path / "fail", "--trainer.max_steps=16", "--data.init_args.batch_size=4", "--fail-at", "2",
-                  timeout=300, check=False)  # fmt: skip
+    result = _fit(out, *args, "--fail-at", "3", timeout=300, check=False)
     elapsed = time.monotonic() - t0
-    assert result.returncode != 0
+    assert result.returncode == 1, (result.stdout + result.stderr)[-4000:]  # a run-time failure
     text = result.stdout + result.stderr
     assert "the reward service is down (injected)" in text
     assert "rank 1" in text, "the trainer's error names the rollout rank"
     assert elapsed < 240, f"both ranks should stop within a bounded time, took {elapsed:.0f} s"
+    saved = re.findall(r"the trainers' state after step (\d+) and the rollout rank's after the last batch it sent", text)
+    assert saved == ["6", "6"], text[-4000:]  # both ranks: 3 RL steps of 2 optimizer steps
+    assert "checkpoint saved: step 6" in text
+    resumed = _fit(out, *args, "--fail-at", "99", "--ckpt_path", "last", timeout=300)
+    assert f"resuming from {out / 'ckpts'}/step-00000006" in resumed.stdout + resumed.stderr
+    assert sorted(_records(out)) == list(range(6))  # steps 0-2 before, 3-5 after (on the rows after step 3's)
 
 
 @pytest.mark.slow

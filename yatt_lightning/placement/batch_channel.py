@@ -4,8 +4,9 @@ A rollout rank sends each step's :class:`Produced` (the scored batch, stamped wi
 its tokens) to every trainer rank it serves, without waiting; on a trainer a thread receives them as they
 come into its inbox (gloo's point-to-point receives cannot be polled: a posted ``irecv`` reports completion
 only once waited on), so ``queue_depth`` is what has arrived and not yet been trained on. A rollout
-rank that fails sends :class:`ProducerFailure` instead; the trainer raises
-:class:`~yatt_lightning.distributed.failures.RankFailure` naming it.
+rank that fails sends :class:`ProducerFailure` instead; the trainer raises :class:`ProducerFailed` (a
+:class:`~yatt_lightning.distributed.failures.RankFailure`) naming it, once it has trained every batch sent
+before, and keeps receiving: a rollout rank that raised (and is alive) joins the trainers' save after it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ class Produced:
 class ProducerFailure:
     origin: int
     cause: str
+    joins_save: bool = False  # the rollout rank raised and waits to join the trainers' save after it
+
+
+class ProducerFailed(RankFailure):
+    """Raised on a trainer whose rollout rank failed, when the trainer asks for the batch it never sent:
+    the trainer has trained every batch before it, so its state is consistent. ``joins_save``: the rollout
+    rank is alive and joins a save of that state (its own after its last batch)."""
+
+    def __init__(self, failure: ProducerFailure) -> None:
+        super().__init__(failure.origin, failure.cause, agreed=False, how="a rollout rank failed")
+        self.joins_save = failure.joins_save
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class BatchInbox:
         self.arrived: queue.Queue = queue.Queue()
         self.held: collections.deque[Produced] = collections.deque(held or [])
         self.stop_requested: int | None = None  # the signal a StopRequest named
+        self.failed: ProducerFailure | None = None  # met while holding batches for a save: raised after them
         self.thread = threading.Thread(target=self._receive, name=f"yatt-batches-from-{src}", daemon=True)
         self.thread.start()
 
@@ -96,22 +109,30 @@ class BatchInbox:
                 with wire.category("rollout"):
                     message = collectives.recv_object(self.src, self.group)
             except Exception as err:  # the channel broke (the producer died): the trainer raises it
-                message = ProducerFailure(self.src, f"{type(err).__name__}: {err}")
+                self.arrived.put(ProducerFailure(self.src, f"{type(err).__name__}: {err}"))
+                return
             if isinstance(message, StopRequest):
                 self.stop_requested = message.signal
                 continue
             self.arrived.put(message)
-            if isinstance(message, (ProducerFailure, EndOfRun)):
-                return
+            if isinstance(message, EndOfRun) or (isinstance(message, ProducerFailure) and not message.joins_save):
+                return  # a producer that joins the save after its failure still sends its checkpoint marker
 
-    def _next(self, what: str, timeout_s: float):
-        try:
-            message = self.arrived.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s {what}") from None
-        if isinstance(message, ProducerFailure):
-            raise RankFailure(message.origin, message.cause, agreed=False, how="a rollout rank failed")
-        return message
+    def _next(self, what: str, timeout_s: float, marker: bool = False):
+        """The next message; a failure is raised (``marker``: one whose rank joins the save is kept, and
+        raised when the trainer next asks for a batch, after the ones held for the save)."""
+        while True:
+            if self.failed is not None and not marker:
+                raise ProducerFailed(self.failed)
+            try:
+                message = self.arrived.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s {what}") from None
+            if not isinstance(message, ProducerFailure):
+                return message
+            if not (marker and message.joins_save):
+                raise ProducerFailed(message)
+            self.failed = message
 
     def take(self, step: int, timeout_s: float) -> tuple[Produced, float, int]:
         """The batch of ``step``, the seconds waited for it, and how many batches had arrived (with it)."""
@@ -126,7 +147,7 @@ class BatchInbox:
     def hold_until_marker(self, timeout_s: float) -> list[Produced]:
         """For a checkpoint: every batch the rollout rank sent before it joined the save (its
         :class:`SaveMarker`), held here to be trained on next; returns all held batches."""
-        while not isinstance(message := self._next("checkpoint marker", timeout_s), SaveMarker):
+        while not isinstance(message := self._next("checkpoint marker", timeout_s, marker=True), SaveMarker):
             if not isinstance(message, Produced):
                 raise RuntimeError(f"the trainer expected batches and a checkpoint marker, rollout rank {self.src} sent {message}")
             self.held.append(message)

@@ -139,6 +139,7 @@ class Disaggregated(SavePoints, Placement):
         self.saving_for: SaveDecision | None = None  # rollout rank: the decision whose save it is in
         self.trainers_done = False  # rollout rank: it followed the trainers' last decision
         self.idle_at_safe_point = 0.0  # rollout rank: seconds waited for decisions, counted in the next step's idle
+        self.saves_after_failure = False  # a checkpoint callback saves both sides after a rollout rank's own failure
 
     # ------------------------------------------------------------------ layout
     def check(self, layout) -> None:
@@ -345,15 +346,20 @@ class Disaggregated(SavePoints, Placement):
 
     # ------------------------------------------------------------------ failures and the end
     def tell_failure(self, error: BaseException) -> None:
-        """This rank failed: the other side waits for it, so tell it (then the error propagates here)."""
+        """This rank failed: the other side waits for it, so tell it (then the error propagates here). A
+        rollout rank that raised on its own, the only one, says it will join the trainers' save (when a
+        checkpoint callback saves after a failure: ``saves_after_failure``); a trainer whose rollout rank failed
+        that way tells it nothing (it waits for the trainers' decision)."""
         from yatt_lightning.distributed.failures import RankFailure, describe
+        from yatt_lightning.placement.batch_channel import ProducerFailed
 
         origin = error.origin if isinstance(error, RankFailure) else rank()
         with contextlib.suppress(Exception):  # the channel may be what failed
             if rank() in self.rollout:
+                joins = self.saves_after_failure and not isinstance(error, RankFailure) and len(self.rollout) == 1
                 for trainer in self._trainers_served():
-                    self.sender.send(ProducerFailure(origin, describe(error)), trainer)
-            elif self.publisher is not None:
+                    self.sender.send(ProducerFailure(origin, describe(error), joins_save=joins), trainer)
+            elif self.publisher is not None and not (isinstance(error, ProducerFailed) and error.joins_save):
                 self.publisher.publish(FAILURE, self.updates, -1, cause=describe(error))
 
     def finish(self, last_step: int) -> None:

@@ -54,6 +54,34 @@ class SavePoints:
         self.trainers_done = self.trainers_done or any(d.final for d in taken)
         return taken
 
+    def after_failure(self, global_step: int, save: bool) -> SaveDecision:
+        """Trainers whose rollout rank failed (:class:`~yatt_lightning.placement.batch_channel.ProducerFailed`:
+        they trained every batch it sent): agree on saving the state they reached, and tell it. The
+        checkpoint then holds the trainers after their last step and the rollout rank after the last batch
+        it sent (the batch of its failed step is skipped on resume, as a colocated run skips it)."""
+        flags = torch.tensor([int(save)], dtype=torch.int64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=self.controller.group)
+        decision = SaveDecision(self.steps - 1, global_step, bool(flags[0]), None, self.updates, final=True,
+                                after_failure=True)  # fmt: skip
+        if self.publisher is not None:
+            self.publisher.publish(DECISION, self.updates, self.steps - 1, decision=decision)
+            self.publisher.flush(self.timeout_s)
+        return decision
+
+    def decisions_after_failure(self):
+        """Rollout rank that failed: the trainers' decisions from here on, oldest first, until the one they
+        took after its failure (or their last, or their end): it follows each, as at a safe point."""
+        while True:
+            what = "the trainers' decision after this rank's failure"
+            self.receiver.wait(lambda s: bool(s.decisions) or s.ended, what, self.timeout_s)
+            state = self.receiver.state
+            if not state.decisions:
+                return
+            decision = state.decisions.pop(0)
+            yield decision
+            if decision.after_failure or decision.final:
+                return
+
     def request_stop(self, signal: int) -> None:
         """Rollout rank that received ``signal``: the trainers stop and save at their next safe point."""
         for trainer in self._trainers_served():

@@ -46,7 +46,8 @@ PART = 8 << 20  # bytes: a larger bucket travels in parts of this size (the rece
 class SaveDecision:
     """What the trainers decided at the safe point after their RL step ``step``: whether every rank saves
     (the checkpoint is named by the trainers' ``global_step``) and whether the run stops (on ``signal``).
-    ``updates`` is the trainers' policy version then; ``final``: the trainers' last decision of the run."""
+    ``updates`` is the trainers' policy version then; ``final``: the trainers' last decision of the run;
+    ``after_failure``: the one they took when their rollout rank failed (also their last)."""
 
     step: int
     global_step: int
@@ -54,6 +55,7 @@ class SaveDecision:
     signal: int | None = None
     updates: int = 0
     final: bool = False
+    after_failure: bool = False  # taken after the rollout rank failed: the last one
 
     @property
     def stop(self) -> bool:
