@@ -241,7 +241,7 @@ class AsyncCheckpoint(Callback):
         if space.is_no_space(exception):
             return  # its message says what is saved; another save would meet the same full disk
         if trainer.strategy.role != "colocated":
-            self._save_after_a_rollout_failure(trainer, pl_module, exception)
+            self._save_after_a_rollout_failure(trainer, exception)
             return
         if trainer.global_step == self._start_step:
             log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
@@ -277,7 +277,7 @@ class AsyncCheckpoint(Callback):
         except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
             log.error("saving after %s failed too: %s", type(exception).__name__, err)
 
-    def _save_after_a_rollout_failure(self, trainer, pl_module, exception: BaseException) -> None:
+    def _save_after_a_rollout_failure(self, trainer, exception: BaseException) -> None:
         """Disaggregated: a rollout rank that raised (the only one) and its trainers save the state they
         reached: the trainers after every batch it sent, the rollout rank after the last one. Any other
         failure on either side leaves ``latest`` as it is."""

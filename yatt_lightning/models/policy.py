@@ -21,7 +21,8 @@ import torch
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
-from yatt_lightning.models.hf_names import HFNames, into_one_storage
+from yatt_lightning.models.hf_names import HFNames
+from yatt_lightning.models.one_storage import into_one_storage
 from yatt_lightning.training.optim import OptimizerSettings
 
 

@@ -245,8 +245,10 @@ class WeightReceiver:
         got = False
         while True:
             try:
-                kind, version, consumed, what = self._arrived.get(timeout=block_s) if block_s > 0 and not got else (
-                    self._arrived.get_nowait())  # fmt: skip
+                if block_s > 0 and not got:
+                    kind, version, consumed, what = self._arrived.get(timeout=block_s)
+                else:
+                    kind, version, consumed, what = self._arrived.get_nowait()
             except queue.Empty:
                 return got
             if kind == FAILURE:
