@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
+from yatt_lightning.callbacks.disaggregated_saves import DisaggregatedSavePoints
 
 from yatt_lightning.checkpoint import folder as ckpt
 from yatt_lightning.checkpoint import space
@@ -53,7 +54,7 @@ log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
 
 
-class AsyncCheckpoint(Callback):
+class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
     """Args:
     dirpath: Folder of the checkpoints and the ``latest`` tracker. ``None``: ``<save_dir>/<name>/checkpoints``
         of the logger (not its ``version_N`` folder, so a resumed run finds the checkpoints of the run
@@ -198,31 +199,6 @@ class AsyncCheckpoint(Callback):
             self.save(trainer)
         self._finalize(trainer, blocking=True)
 
-    # ------------------------------------------------------------------ a disaggregated placement's safe points
-    def _decisions(self, trainer, final: bool) -> list:
-        """The trainers decide; a rollout rank reports its signal and takes the decisions it follows now."""
-        placement = trainer.strategy.placement
-        signum = self._signals.received if self.save_on_signal else None
-        if trainer.strategy.role == "rollout":
-            if signum is not None and not self._stop_requested:
-                placement.request_stop(signum)
-                self._stop_requested = True
-            return placement.decisions(final)
-        step = trainer.global_step
-        due = bool(self.every_n_steps and step % self.every_n_steps == 0) or self._timer_due(trainer)
-        if final:
-            due, signum = self.save_at_end, None  # the run ends here anyway
-        return [placement.decide(due and step != self._scheduled_step, signum, step, final)]
-
-    def _follow(self, trainer, decisions: list) -> None:
-        for decision in decisions:
-            if decision.save:
-                if trainer.strategy.role == "rollout":
-                    trainer.strategy.placement.join_save(decision)
-                self.save(trainer, step=decision.global_step)
-            if decision.stop and not decision.final:
-                self._stop(trainer, decision.signal, decision.global_step)
-
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._training = False
@@ -274,46 +250,6 @@ class AsyncCheckpoint(Callback):
                 "step is skipped on resume.", type(exception).__name__, trainer.global_step,
                 self.dirpath / ckpt.checkpoint_name(trainer.global_step),
             )  # fmt: skip
-        except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
-            log.error("saving after %s failed too: %s", type(exception).__name__, err)
-
-    def _save_after_a_rollout_failure(self, trainer, exception: BaseException) -> None:
-        """Disaggregated: a rollout rank that raised (the only one) and its trainers save the state they
-        reached: the trainers after every batch it sent, the rollout rank after the last one. Any other
-        failure on either side leaves ``latest`` as it is."""
-        from yatt_lightning.placement.batch_channel import ProducerFailed
-
-        placement, role = trainer.strategy.placement, trainer.strategy.role
-        joins = isinstance(exception, ProducerFailed) and exception.joins_save
-        own = not isinstance(exception, RankFailure) and len(placement.rollout) == 1
-        if (role == "train" and not joins) or (role == "rollout" and not own):
-            log.error(
-                "not saving after %s: only a rollout rank's own failure (with one rollout rank) leaves both "
-                "sides in a state to save. `latest` in %s is unchanged.", type(exception).__name__, self.dirpath,
-            )  # fmt: skip
-            return
-        saved = None
-        try:
-            if role == "train":
-                trained = trainer.global_step != self._start_step
-                decisions = [placement.after_failure(trainer.global_step, save=trained)]
-            else:  # it follows the trainers' decisions, as at a safe point, to the one after its failure
-                decisions = placement.decisions_after_failure()
-            for decision in decisions:
-                if decision.save:
-                    if role == "rollout":
-                        placement.join_save(decision)
-                    self.save(trainer, asynchronous=False, step=decision.global_step)
-                    saved = decision.global_step
-            placement.finish(placement.steps - 1)  # both ends close the channels: their threads end
-            if saved is None:
-                log.info("not saving after %s: no step was trained since the run started", type(exception).__name__)
-            else:
-                log.error(
-                    "after %s: the trainers' state after step %d and the rollout rank's after the last batch it "
-                    "sent are consistent and were saved to %s; the batch of the failed step is skipped on resume.",
-                    type(exception).__name__, saved, self.dirpath / ckpt.checkpoint_name(saved),
-                )  # fmt: skip
         except BaseException as err:  # never hide the original error (CheckpointException is a BaseException)
             log.error("saving after %s failed too: %s", type(exception).__name__, err)
 
