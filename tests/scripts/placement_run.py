@@ -50,7 +50,9 @@ def main() -> None:
         if reward["class_path"].endswith("GenerativeRewardModel"):
             reward["class_path"] = "__main__.RecordingJudge"
             reward["init_args"]["on_error"] = os.environ.get("JUDGE_ON_ERROR", "raise")
-    (OUT / "config.yaml").write_text(yaml.safe_dump(config))
+    mine = OUT / f"config.{os.getpid()}.yaml"  # every rank runs this: each replaces the file whole, so none
+    mine.write_text(yaml.safe_dump(config))  # reads one another rank is writing (it read it empty once)
+    os.replace(mine, OUT / "config.yaml")
     configure_logging()
     cli = YattCLI(
         args=["--config", str(OUT / "config.yaml"), "--trainer.logger.init_args.save_dir", str(OUT / "tb"),
