@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 from yatt_lightning.checkpoint import folder as ckpt
-from yatt_lightning.distributed.failures import RankFailure
 
 log = logging.getLogger("yatt_lightning.checkpoint.folder")
 
@@ -48,8 +47,7 @@ class DisaggregatedSavePoints:
 
         placement, role = trainer.strategy.placement, trainer.strategy.role
         joins = isinstance(exception, ProducerFailed) and exception.joins_save
-        own = not isinstance(exception, RankFailure) and len(placement.rollout) == 1
-        if (role == "train" and not joins) or (role == "rollout" and not own):
+        if (role == "train" and not joins) or (role == "rollout" and not placement.joins_save_after(exception)):
             log.error(
                 "not saving after %s: only a rollout rank's own failure (with one rollout rank) leaves both "
                 "sides in a state to save. `latest` in %s is unchanged.", type(exception).__name__, self.dirpath,

@@ -356,11 +356,18 @@ class Disaggregated(SavePoints, Placement):
         origin = error.origin if isinstance(error, RankFailure) else rank()
         with contextlib.suppress(Exception):  # the channel may be what failed
             if rank() in self.rollout:
-                joins = self.saves_after_failure and not isinstance(error, RankFailure) and len(self.rollout) == 1
+                joins = self.joins_save_after(error)
                 for trainer in self._trainers_served():
                     self.sender.send(ProducerFailure(origin, describe(error), joins_save=joins), trainer)
             elif self.publisher is not None and not (isinstance(error, ProducerFailed) and error.joins_save):
                 self.publisher.publish(FAILURE, self.updates, -1, cause=describe(error))
+
+    def joins_save_after(self, error: BaseException) -> bool:
+        """Rollout rank: whether it joins the trainers' save after ``error``: its own failure (not one it heard
+        of), the only rollout rank, with a checkpoint callback that saves after a failure."""
+        from yatt_lightning.distributed.failures import RankFailure
+
+        return self.saves_after_failure and not isinstance(error, RankFailure) and len(self.rollout) == 1
 
     def finish(self, last_step: int) -> None:
         """The end of the run (after this rank's ``last_step``; a stop on a signal ends it early): what either
