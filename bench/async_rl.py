@@ -26,8 +26,10 @@ Figures (means over the steps after ``--warmup``; throughput = samples / wall ti
 
     python bench/async_rl.py [--smoke] [--steps 30] [--prompts 2] [--samples 6] [--tokens 240] [--warmup 2]
 
-The defaults make R and T close on this 2-core machine (2026-12-05: at 2 prompts x 4 samples x 240 tokens
-R = 2.47 s and T = 1.74 s, bound 1.70; training grows with the samples faster than batched generation).
+The defaults make R and T close on this 2-core machine (2026-12-05, 240 tokens, 2 prompts: 4 samples each
+gave R = 2.47 s, T = 1.74 s, bound 1.70; 6 gave R = 3.07 s, T = 2.52 s, bound 1.82 in one measurement and
+1.78 in a full run; 7 gave bound 1.88-1.98 but a reward gap of 0.27 in the one full run, so 6 it stays:
+training grows with the samples faster than batched generation).
 
 Last line: ``bound=B async_over_sync=X overlap_efficiency=Y async_over_colocated=Z reward_gap=W
 publish_over_bare=V push_over_vllm_load=U``; targets B >= 1.8, X >= 1.5, Y <= 1.18, W <= 0.05, V <= 1.25,

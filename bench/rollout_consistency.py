@@ -5,12 +5,15 @@ completions and scores the sampled tokens with the Megatron policy. In fp32 on C
 must agree (< 1e-3). For contrast it loads the *initial* weights into the engine (what a missed push
 would leave) and repeats: that difference is large.
 
-    python bench/rollout_consistency.py [--smoke] [--vlm] [--trainer.max_steps 5] [--trainer.devices 2 ...]
+    python bench/rollout_consistency.py [--smoke] [--vlm | --multiturn] [--trainer.max_steps 5] [--trainer.devices 2 ...]
 
 ``--smoke``: 2 training steps. ``--vlm``: the image case: configs/grpo_vlm_tiny.yaml (the tiny LLaVA,
 whose vision tower and projector train too), compared on held-out colour-task rows with their images.
+``--multiturn``: an agent's episodes (configs/agent_guess_tiny.yaml, up to 5 turns with the game's replies
+between them), compared on the tokens the model sampled in every turn (the observations' are not sampled).
 
-Last line: ``max_abs_logprob_diff=<float>`` (``max_abs_logprob_diff_vlm=<float>`` with ``--vlm``).
+Last line: ``max_abs_logprob_diff=<float>`` (``max_abs_logprob_diff_vlm=`` with ``--vlm``,
+``multiturn_logprob_diff=`` with ``--multiturn``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ def rollout_consistency(module, rows: list[dict]) -> dict[str, float]:
     """
     rollouts = module.rollout(rows)
     ours = module.compute_logprobs(module.policy, TrainingBatch.of(rollouts), list(range(len(rollouts))))
-    return _compare(ours, rollouts.rollout_logprobs)
+    engine = rollouts.rollout_logprobs
+    if rollouts.turns is not None and ours is not None:  # an agent's episodes: the tokens the model sampled
+        masks = [torch.tensor(t.mask, dtype=torch.bool) for t in rollouts.turns]
+        ours, engine = [a[m] for a, m in zip(ours, masks, strict=True)], [b[m] for b, m in zip(engine, masks, strict=True)]
+    return _compare(ours, engine)
 
 
 def stale_engine_consistency(module, rows: list[dict], stale_weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
@@ -75,12 +82,17 @@ def _compare(ours: list[torch.Tensor] | None, engine: list[torch.Tensor]) -> dic
 
 
 class ConsistencyProbe(Callback):
-    def __init__(self, images: bool = False) -> None:
-        self.images = images
+    def __init__(self, images: bool = False, multiturn: bool = False) -> None:
+        self.images, self.multiturn = images, multiturn
         self.result: list[float] | None = None
 
     def rows(self) -> list[dict]:
-        """Alphabet prompts, or (``images``) colour-task rows with their images, not seen in training."""
+        """Alphabet prompts, (``images``) colour-task rows with their images, or (``multiturn``) guessing-game
+        rows, not seen in training."""
+        if self.multiturn:
+            from yatt_lightning.datamodules.tasks import GuessTask
+
+            return [dict(row, _id=i) for i, row in enumerate(GuessTask(num_rows=6, seed=777).rows())]
         if self.images:
             from yatt_lightning.datamodules.image_prompt import ImagePromptDataModule
             from yatt_lightning.datamodules.tasks import ColourTask
@@ -99,7 +111,7 @@ class ConsistencyProbe(Callback):
         rows = self.rows()
         fresh = rollout_consistency(module, rows)
         initial = load_file(str(module.model_path / "model.safetensors"))
-        stale = stale_engine_consistency(module, rows, initial.items())
+        stale = fresh if self.multiturn else stale_engine_consistency(module, rows, initial.items())
         self.result = all_reduce_max(
             [fresh["max_abs_logprob_diff"], fresh["mean_abs_logprob_diff"], stale["max_abs_logprob_diff"],
              stale["mean_abs_logprob_diff"], float(fresh["tokens"]), float(trainer.global_step)]
@@ -109,11 +121,12 @@ class ConsistencyProbe(Callback):
 def main() -> None:
     argv = sys.argv[1:]
     steps = "2" if pop_smoke(argv) else "5"
-    images = "--vlm" in argv
-    argv = [a for a in argv if a != "--vlm"]
+    images, multiturn = "--vlm" in argv, "--multiturn" in argv
+    argv = [a for a in argv if a not in ("--vlm", "--multiturn")]
     config = str(REPO / "configs" / "grpo_vlm_tiny.yaml") if images else TINY
+    config = str(REPO / "configs" / "agent_guess_tiny.yaml") if multiturn else config
     cli = build_cli(["--trainer.max_steps", steps, *argv], config=config)
-    probe = ConsistencyProbe(images)
+    probe = ConsistencyProbe(images, multiturn)
     cli.trainer.callbacks.append(probe)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if cli.trainer.is_global_zero:
@@ -121,8 +134,10 @@ def main() -> None:
         print(f"trained steps: {int(steps)}; sampled tokens compared: {int(tokens)}")
         print(f"{'engine weights':<28}{'max |dlogp|':>14}{'mean |dlogp|':>14}")
         print(f"{'pushed (current policy)':<28}{fresh_max:>14.3e}{fresh_mean:>14.3e}")
-        print(f"{'stale (initial weights)':<28}{stale_max:>14.3e}{stale_mean:>14.3e}")
-        print(f"max_abs_logprob_diff{'_vlm' if images else ''}={fresh_max:.3e}", flush=True)
+        if not multiturn:
+            print(f"{'stale (initial weights)':<28}{stale_max:>14.3e}{stale_mean:>14.3e}")
+        name = "multiturn_logprob_diff" if multiturn else f"max_abs_logprob_diff{'_vlm' if images else ''}"
+        print(f"{name}={fresh_max:.3e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ class DPLoadBalancer(Callback):
         """What each sequence weighs on the wire (as :meth:`_pack` sends it): its ids (8 bytes a token), its
         engine logprobs and per-token advantage fields (4 bytes a completion token each), its scalars."""
         samples, advantages = batch.samples, batch.advantages
-        fields = 1 + sum(getattr(advantages, key) is not None for key in _PER_TOKEN)
+        fields = 1 + sum(getattr(advantages, key) is not None for key in _PER_TOKEN) + (samples.action_masks is not None)
         return [8.0 * (len(p) + len(c)) + 4.0 * fields * len(c) + 48.0
                 for p, c in zip(samples.prompt_ids, samples.completion_ids, strict=True)]  # fmt: skip
 
@@ -192,6 +192,8 @@ class DPLoadBalancer(Callback):
             values = getattr(advantages, key)
             if values is not None:
                 out[f"advantages.{key}"] = _flat([values[i] for i in local])
+        if samples.action_masks is not None:  # an agent's episodes: which completion tokens the model sampled
+            out["action_masks"] = _flat([samples.action_masks[i] for i in local])
         return out
 
     @staticmethod
@@ -206,6 +208,8 @@ class DPLoadBalancer(Callback):
                 zip(part["lengths"].tolist(), part["scalars"].tolist(), strict=True)
             ):
                 extra = {key: part[f"advantages.{key}"][lp_at : lp_at + c] for key in per_token}
+                if "action_masks" in part:
+                    extra["action_masks"] = part["action_masks"][lp_at : lp_at + c]
                 samples.append((int(gid), tokens[at : at + p], tokens[at + p : at + p + c], logprobs[lp_at : lp_at + c],
                                 adv, images[k], extra))  # fmt: skip
                 at, lp_at = at + p + c, lp_at + c
@@ -215,6 +219,7 @@ class DPLoadBalancer(Callback):
             completion_ids=[s[2] for s in samples],
             rollout_logprobs=[s[3] for s in samples],
             images=[s[5] for s in samples],  # the references, for the training forward
+            action_masks=[s[6]["action_masks"] for s in samples] if "action_masks" in received[0] else None,
         )
         fields = {key: [s[6][key] for s in samples] for key in per_token}
         if "tokens" not in fields:

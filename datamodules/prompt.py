@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
-from yatt_lightning.datamodules.tasks import AlphabetTask
+from yatt_lightning.datamodules.tasks import AlphabetTask, Task
 
 from yatt_lightning.chat import chat_messages, display_prompt
 
@@ -141,7 +141,7 @@ class PromptDataModule(pl.LightningDataModule):
     def __init__(
         self,
         path: str | None = None,
-        task: AlphabetTask | None = None,
+        task: Task | None = None,
         batch_size: int = 16,
         prompt_key: str = "prompt",
         shuffle: bool = True,

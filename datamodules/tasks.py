@@ -20,7 +20,15 @@ from typing import Any
 LETTERS = string.ascii_lowercase
 
 
-class AlphabetTask:
+class Task:
+    """Base class of the built-in tasks a :class:`~yatt_lightning.datamodules.prompt.PromptDataModule`
+    draws rows from (``data.task``: a ``class_path``): :meth:`rows` returns them, from the task's seed."""
+
+    def rows(self) -> list[dict]:
+        raise NotImplementedError
+
+
+class AlphabetTask(Task):
     """Rows ``{"prompt": "after f", "answer": "g h i j"}`` for random start letters.
 
     Args:
@@ -131,3 +139,52 @@ class ColourTask:
         """Text covering the task's vocabulary (the tiny VLM's tokenizer)."""
         yield "colour: " + " ".join(sorted(COLOURS))
         yield from AlphabetTask.corpus()
+
+
+class LookupTask(Task):
+    """An answer only a tool knows: rows ``{"prompt": "key q", "store": {"q": "7"}, "answer": "7"}``.
+
+    The answer is a random digit, drawn apart from the key, so text alone scores at chance (1 in 10); the
+    :class:`~yatt_lightning.agents.tools.Lookup` tool reads it from the row's ``store`` (under the key the
+    call names, or the row's ``key`` with ``Lookup(key_field="key")``: ``configs/agent_lookup_tiny.yaml``).
+
+    Args:
+        num_rows: How many rows.
+        seed: Seed of the keys and answers.
+    """
+
+    def __init__(self, num_rows: int = 4096, seed: int = 0) -> None:
+        if num_rows < 1:
+            raise ValueError(f"LookupTask: `num_rows` must be >= 1, got {num_rows}.")
+        self.num_rows, self.seed = num_rows, seed
+
+    def rows(self) -> list[dict]:
+        rng = random.Random(self.seed)
+        rows = []
+        for _ in range(self.num_rows):
+            key, answer = rng.choice(LETTERS), str(rng.randrange(10))
+            rows.append({"prompt": f"key {key}", "key": key, "store": {key: answer}, "answer": answer})
+        return rows
+
+
+class GuessTask(Task):
+    """A secret number to find from replies: rows ``{"prompt": "guess 0 to 7", "secret": 3}`` for
+    :class:`~yatt_lightning.agents.games.GuessEnvironment`, which answers each guess with higher / lower.
+
+    Args:
+        num_rows: How many rows.
+        high: Secrets are drawn from 0..high (at most 9: one digit).
+        seed: Seed of the secrets.
+    """
+
+    def __init__(self, num_rows: int = 4096, high: int = 7, seed: int = 0) -> None:
+        if num_rows < 1:
+            raise ValueError(f"GuessTask: `num_rows` must be >= 1, got {num_rows}.")
+        if not 1 <= high <= 9:
+            raise ValueError(f"GuessTask: `high` must be in 1..9, got {high}.")
+        self.num_rows, self.high, self.seed = num_rows, high, seed
+
+    def rows(self) -> list[dict]:
+        rng = random.Random(self.seed)
+        return [{"prompt": f"guess 0 to {self.high}", "secret": rng.randint(0, self.high)} for _ in range(self.num_rows)]
+

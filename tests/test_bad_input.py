@@ -24,6 +24,7 @@ import pytest
 from tests.helpers import REPO, yatt, yatt_in_process
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+LOOKUP = str(REPO / "configs" / "agent_lookup_tiny.yaml")
 
 
 @dataclass
@@ -107,6 +108,20 @@ CONFIG_CASES = {
                                       r"=4 does not divide the model's 2 layers"),
     "tp does not divide processes": Case(["--trainer.strategy.tensor_model_parallel_size", "2"],
                                          r"= 2 does not divide the 1 processes"),
+    # agents
+    "an environment class that does not exist": Case(
+        ["--config", LOOKUP, "--config", "env.yaml"], r"`model.agent.environment`: No module named 'nomod'",
+        {"env.yaml": "model:\n  init_args:\n    agent:\n      init_args:\n        environment:\n          class_path: nomod.Env\n"}),
+    "a tool whose schema is invalid": Case(
+        ["--config", LOOKUP, "--config", "tools.yaml"],
+        r"tool mytools\.Broken \(broken\): `parameters` is not a valid JSON schema: 'no-such-type' is not valid",
+        {"tools.yaml": "model:\n  init_args:\n    agent:\n      init_args:\n        environment:\n          init_args:\n"
+                       "            tools:\n              - class_path: mytools.Broken\n",
+         "mytools.py": "from yatt_lightning.agents import Tool\n\nclass Broken(Tool):\n    name = 'broken'\n"
+                       "    parameters = {'type': 'object', 'properties': {'x': {'type': 'no-such-type'}}}\n"}),
+    "an episode beyond the model's positions": Case(
+        ["--config", LOOKUP, "--model.init_args.agent.init_args.max_total_tokens", "300"],
+        r"`model.agent.max_total_tokens`=300 is more than the policy's 256 positions; set it to at most 256"),
 }  # fmt: skip
 
 

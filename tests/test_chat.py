@@ -139,12 +139,12 @@ def test_the_engine_refuses_samples_drawn_after_other_prompt_ids_than_it_was_giv
     """vLLM reports the prompt ids it sampled after; they must be the policy's (images expanded)."""
     from types import SimpleNamespace
 
-    from yatt_lightning.rollout.vllm_engine import _check_prompt
+    from yatt_lightning.rollout.vllm_outputs import check_prompt
 
-    _check_prompt(SimpleNamespace(prompt_token_ids=[5, 9, 9, 2]), [5, 9, 9, 2])
+    check_prompt(SimpleNamespace(prompt_token_ids=[5, 9, 9, 2]), [5, 9, 9, 2])
     with pytest.raises(RuntimeError, match=r"other prompt ids than it was given \(5 vs 4 tokens, first difference "
                                            r"at position 0: \[1, 5, 9, 9, 2\] vs \[5, 9, 9, 2\]\)"):  # fmt: skip
-        _check_prompt(SimpleNamespace(prompt_token_ids=[1, 5, 9, 9, 2]), [5, 9, 9, 2])  # a BOS added by the engine
+        check_prompt(SimpleNamespace(prompt_token_ids=[1, 5, 9, 9, 2]), [5, 9, 9, 2])  # a BOS added by the engine
 
 
 def test_a_llava_folder_whose_template_only_its_processor_has_uses_that_one(folders, tmp_path):

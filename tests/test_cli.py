@@ -66,7 +66,8 @@ def test_every_shipped_config_builds_its_objects_on_cpu(config, tmp_path, monkey
     tp = re.search(r"tensor_model_parallel_size: (\d+)", text)
     assert strategy.tensor_model_parallel_size == (int(tp.group(1)) if tp else 1)
     names = [n for n in re.findall(r"class_path: yatt_lightning\.rewards\.(?:\S+\.)?(\w+)\s", text) if "Parser" not in n]
-    assert [type(fn).__name__ for fn in cli.model.reward_functions] == (names or ["RuleReward"])
+    default = ["EnvironmentReward"] if "agent:" in text else ["RuleReward"]  # an agent's: its environment's
+    assert [type(fn).__name__ for fn in cli.model.reward_functions] == (names or default)
     assert not strategy._engine_started
 
 

@@ -17,6 +17,7 @@ import torch
 from jsonargparse import lazy_instance
 from typing_extensions import override
 
+from yatt_lightning.agents import Agent, EnvironmentReward
 from yatt_lightning.algorithms import K3, AdvantageEstimator, GRPOAdvantage, KLEstimator, PolicyLoss, PPOClipLoss
 from yatt_lightning.algorithms.advantage import AdvantageInputs, Advantages
 from yatt_lightning.algorithms.aggregation import LossAggregation, TokenMean
@@ -42,6 +43,8 @@ from yatt_lightning.training.prompts import Prompts
 from yatt_lightning.training.step_metrics import StepContext, step_stats
 from yatt_lightning.training.update import PolicyUpdate
 
+ALPHABET = "yatt_lightning.rewards.rules.alphabet_reward"  # the default reward (not an agent's)
+
 # Per-token quantities summed in the loss function and averaged over tokens for logging (the algorithm's
 # parts may add their own, named with a "/": see ``RLHFModule.token_metrics``).
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
@@ -53,7 +56,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
     Args:
         policy: The model to train (a Hugging Face folder, loaded into Megatron-Core).
         reward_fn: Dotted import path of ``f(prompt: str, completion: str, **row) -> float``; the row's
-            other fields (e.g. ``answer``) arrive as keyword arguments. Ignored when ``rewards`` is set.
+            other fields (e.g. ``answer``) arrive as keyword arguments. Ignored when ``rewards`` is set (and
+            its default, the alphabet task's, with ``agent``).
         rewards: Reward functions whose weighted scores are summed (rule functions, reward models,
             generative reward models); ``None`` uses ``reward_fn`` alone.
         reward_timeout_s: The longest one call into a reward function may take (a rule function's call
@@ -89,12 +93,14 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         long_tail: How long responses are handled: wait for all (default), over-provision, or partial
             rollout (see :mod:`yatt_lightning.rollout.longtail`, including the bias each introduces).
         seed: Seed of sampling and of mini-batch shuffling; ``None`` follows ``seed_everything``.
+        agent: Multi-turn episodes in an environment (tools, games) instead of one completion per sample
+            (:class:`~yatt_lightning.agents.Agent`); the environment's rewards are added as ``environment``.
     """
 
     def __init__(
         self,
         policy: ModelSpec = ModelSpec(),
-        reward_fn: str = "yatt_lightning.rewards.rules.alphabet_reward",
+        reward_fn: str = ALPHABET,
         rewards: list[RewardFunction] | None = None,
         reward_timeout_s: float | None = 300.0,
         sampling: SamplingConfig = SamplingConfig(),
@@ -118,6 +124,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         dynamic_sampling: DynamicSampling | None = None,
         long_tail: LongTailPolicy = lazy_instance(WaitForAll),
         seed: int | None = None,
+        agent: Agent | None = None,
     ) -> None:
         super().__init__()
         for key, value, low in (
@@ -153,7 +160,11 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             raise ValueError("`model.kl_in_reward` is true but `model.kl_coef` is 0: set a coefficient > 0.")
         self.automatic_optimization = False
         self.policy_spec = policy
-        self.reward_functions = list(rewards) if rewards else [RuleReward(reward_fn)]
+        rule = [] if agent is not None and reward_fn == ALPHABET else [RuleReward(reward_fn)]  # an agent's: its environment's
+        self.reward_functions = list(rewards) if rewards else rule
+        if agent is not None and not any(isinstance(fn, EnvironmentReward) for fn in self.reward_functions):
+            self.reward_functions.append(EnvironmentReward())  # the turns' rewards, on their last tokens
+        self.agent = agent
         for fn in self.reward_functions:
             fn.set_default_timeout(reward_timeout_s, "model.reward_timeout_s")
         names = [fn.name for fn in self.reward_functions]
@@ -207,6 +218,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.prompt_format = self.prompt_format_for(path, self.tokenizer)
+        if self.agent is not None:
+            self.agent.configure(self.tokenizer, self.apply_chat_template, path, self.max_prompt_tokens)
         if self.trainer.strategy.role == "rollout":  # a disaggregated rollout rank: no Megatron model here
             self.check_disaggregated()
             from transformers import AutoConfig
@@ -268,9 +281,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         datamodule = self.trainer.datamodule
         seqs = max(1, datamodule.batch_size * self.sampling.n) if datamodule is not None else 256
         dtype = str(self.policy_spec.torch_dtype()).removeprefix("torch.")
-        engine = EngineSpec(
-            self.model_path, self.seed, seqs, self.max_prompt_tokens + self.sampling.max_new_tokens, dtype
-        )
+        longest = self.agent.max_total_tokens if self.agent else self.max_prompt_tokens + self.sampling.max_new_tokens
+        engine = EngineSpec(self.model_path, self.seed, seqs, longest, dtype)
         return RolloutSetup(
             self.policy, self.tokenizer, engine, self.reward_functions, self.long_tail, self.seed, self.critic_model
         )
@@ -349,7 +361,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         lr = self.optimizer_settings.lr_at(max(self.trainer.global_step - 1, 0))
         group = strategy.controller.group
         size = torch.distributed.get_world_size(group) if strategy.world_size > 1 else 1
-        return StepContext(strategy.controller, strategy.is_model_parallel_head, size, keys, self.log_samples, lr)
+        return StepContext(strategy.controller, strategy.is_model_parallel_head, size, keys, self.log_samples, lr,
+                           self.agent is not None)  # fmt: skip
 
     def rollout(self, batch: list[dict]) -> RolloutBatch:
         """Sample ``sampling.n`` completions for each prompt of this rank's batch (the groups the long-tail
@@ -358,6 +371,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             rows=batch, prompt_ids=self.tokenize_batch(batch), seeds=self.sample_seeds(batch),
             sampling=self.sampling, step=self.trainer.global_step,
             weights_version=self.trainer.global_step,  # changes with every optimizer step, as the weights do
+            agent=self.agent,
         )  # fmt: skip
         return self.trainer.strategy.rollout.rollout(request)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -41,14 +41,34 @@ class SamplingConfig:
             raise ValueError(f"`model.sampling.top_p` must be in (0, 1], got {self.top_p}.")
 
 
+# An episode's figures (Turns.figures), summed over the step's episodes and logged per episode as
+# ``agent/<name>_per_episode`` (``agent/truncated``: the step's episodes cut short by a budget).
+AGENT_FIGURES = ("turns", "tool_calls", "tool_errors", "tool_seconds", "env_seconds", "env_errors", "truncated")
+
+
+@dataclass
+class Turns:
+    """How a multi-turn completion (an agent's episode) is made: per token whether the model sampled it (1)
+    or it is an observation's (0: a tool's result, the environment's reply, the chat template's tokens
+    between turns), where each of the model's turns ends, the environment's reward of each turn, and the
+    episode's figures (``agent/...``, summed over samples)."""
+
+    mask: list[int]
+    ends: list[int]  # the index of each model turn's last token in the completion
+    rewards: list[float]  # one per turn (0.0 where the environment gave none)
+    figures: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class Completion:
-    """One sampled completion: its token ids and the engine's logprob of each token."""
+    """One sampled completion: its token ids and the engine's logprob of each token (0.0 for an
+    observation's tokens in a multi-turn completion, whose ``turns`` say which tokens the model sampled)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "length"
     versions: tuple[int, int] | None = None  # (first, last) policy version of its tokens, when the engine tracks them
+    turns: Turns | None = None  # a multi-turn completion's structure
 
 
 class WeightFeed(Protocol):

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from yatt_lightning.rollout.base import Turns
+
 
 @dataclass(frozen=True)
 class RolloutBatch:
@@ -36,6 +38,7 @@ class RolloutBatch:
     judged: dict = field(default_factory=dict)  # reward name -> RewardOutput a placement scored while generating
     rank_figures: dict[str, float] = field(default_factory=dict)  # this rank's (idle seconds, memory, sync)
     versions: list[tuple[int, int]] | None = None  # per sample: (first, last) policy version of its tokens
+    turns: list[Turns] | None = None  # per sample, an agent's episode: which tokens the model sampled, its turns
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -77,6 +80,7 @@ class RolloutBatch:
             rewards=pick_tensor(self.rewards),
             token_rewards=pick(self.token_rewards),
             versions=pick(self.versions),
+            turns=pick(self.turns),
         )
 
     @staticmethod
@@ -95,6 +99,7 @@ class RolloutBatch:
         ``metrics``: how the batch was generated."""
         completion_ids = [c.token_ids for *_, c in samples]
         versions = [getattr(c, "versions", None) for *_, c in samples]
+        turns = [getattr(c, "turns", None) for *_, c in samples]
         return RolloutBatch(
             prompts=[row["prompt"] for _, row, _, _ in samples],
             prompt_ids=[ids for _, _, ids, _ in samples],
@@ -106,6 +111,7 @@ class RolloutBatch:
             finish_reasons=[c.finish_reason for *_, c in samples],
             metrics=dict(metrics or {}),
             versions=versions if all(v is not None for v in versions) and samples else None,
+            turns=turns if all(t is not None for t in turns) and samples else None,
         )
 
     @staticmethod
@@ -135,6 +141,7 @@ class RolloutBatch:
             if tokens and all(t is not None for t in tokens)
             else None,
             versions=[v for b in batches for v in b.versions] if batches and all(b.versions for b in batches) else None,
+            turns=[t for b in batches for t in b.turns] if batches and all(b.turns for b in batches) else None,
         )
 
     def response_lengths(self) -> torch.Tensor:

@@ -42,10 +42,14 @@ STUB_FIELDS = ("prompt", "messages", "_id", "_source", "images")
 
 
 def first_to_finish(engine, request: RolloutRequest, keep: int) -> Iterator[tuple[int, list[Completion]]]:
-    """``(prompt index, group)`` as groups finish; stops (aborting the rest) after ``keep`` groups."""
-    stream = engine.generate_stream(
-        request.prompt_ids, request.sampling, request.seeds, request.max_new_tokens, images_of(request.rows)
-    )
+    """``(prompt index, group)`` as groups finish (an agent's: as a prompt's episodes end); stops (aborting the
+    rest) after ``keep`` groups."""
+    if request.agent is not None:
+        stream = request.agent.episodes(engine, request)
+    else:
+        stream = engine.generate_stream(
+            request.prompt_ids, request.sampling, request.seeds, request.max_new_tokens, images_of(request.rows)
+        )
     try:
         for count, item in enumerate(stream, start=1):
             yield item

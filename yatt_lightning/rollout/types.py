@@ -75,6 +75,7 @@ class RolloutRequest:
     step: int
     weights_version: int
     max_new_tokens: list[int] | None = None  # a budget per prompt instead of ``sampling.max_new_tokens``
+    agent: Any = None  # an Agent (yatt_lightning.agents): each sample is an episode of its environment
 
 
 @dataclass(frozen=True)

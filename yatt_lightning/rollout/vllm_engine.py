@@ -10,7 +10,6 @@ prompts on every rank of the group.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,8 +19,10 @@ import torch
 
 from yatt_lightning.multimodal.image_inputs import collapse, expand
 from yatt_lightning.rollout.base import Completion, SamplingConfig, WeightFeed
+from yatt_lightning.rollout.kv_cache import kv_cache_bytes_for
 from yatt_lightning.rollout.step_deadline import StepDeadline
 from yatt_lightning.rollout.vllm_models import engine_overrides
+from yatt_lightning.rollout.vllm_outputs import check_prompt, completions_of
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class VLLMEngine:
         self.llm = None
         self.asleep = False
         self.weight_feed: WeightFeed | None = None  # newer weights to apply between engine steps (asynchronous RL)
+        self._turns: dict[str, tuple[str, list[int], int | None]] = {}  # running turns: key, prompt, first version
 
     # ------------------------------------------------------------------ life cycle
     def start(
@@ -263,14 +265,55 @@ class VLLMEngine:
                     updated = True
                 for out in self._step(engine, f"generating {len(pending)} of {len(prompts)} prompts"):
                     if out.finished and out.request_id in pending:
-                        _check_prompt(out, sent.pop(out.request_id))
+                        check_prompt(out, sent.pop(out.request_id))
                         versions = (first, feed.version) if feed is not None else None
-                        yield pending.pop(out.request_id), _completions(out, versions)
+                        yield pending.pop(out.request_id), completions_of(out, versions)
         finally:
             if pending:
                 engine.abort_request(list(pending))
             if updated:  # nothing runs now: the cached prefixes of the old weights can go
                 self._reset_caches()
+
+    # ------------------------------------------------------------------ one turn at a time (agents)
+    def add_turn(self, key: str, prompt: list[int], sampling: SamplingConfig, seed: int, max_tokens: int) -> None:
+        """Queue one sample's next turn: at most ``max_tokens`` tokens after ``prompt`` (the episode so far,
+        token ids as trained on), seeded by ``seed``; :meth:`step_turns` returns it once it finished. The
+        turns of many episodes run batched; the earlier turns' keys and values come from the prefix cache."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, logprobs=0, seed=seed, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+        self._batches += 1
+        request_id = f"yatt-turn-{self._batches}"
+        self._llm().llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        feed = self.weight_feed
+        self._turns[request_id] = (key, prompt, feed.version if feed is not None else None)
+
+    def step_turns(self) -> list[tuple[str, Completion]]:
+        """One engine step (newer weights applied first, in asynchronous RL): the turns that finished in it,
+        by key."""
+        feed = self.weight_feed
+        if feed is not None and (named := feed.newer()) is not None:
+            self._load(named)
+        done = []
+        for out in self._step(self._llm().llm_engine, f"running {len(self._turns)} agent turns"):
+            if out.finished and out.request_id in self._turns:
+                key, prompt, first = self._turns.pop(out.request_id)
+                check_prompt(out, prompt)
+                versions = (first, feed.version) if feed is not None else None
+                done.append((key, completions_of(out, versions)[0]))
+        return done
+
+    def abort_turns(self) -> None:
+        """Abort every turn still running (an episode runner that stops early)."""
+        if self._turns:
+            self._llm().llm_engine.abort_request(list(self._turns))
+            self._turns.clear()
 
     def complete(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
@@ -351,39 +394,3 @@ class VLLMEngine:
         if self.llm is None:
             raise RuntimeError("VLLMEngine used before start() (or after shutdown()).")
         return self.llm
-
-
-def _check_prompt(out, ids: list[int]) -> None:
-    """The engine sampled after exactly the prompt ids it was given (images expanded as the policy has
-    them): otherwise its logprobs belong to another sequence than the one trained on."""
-    seen = list(out.prompt_token_ids or [])
-    if seen != ids:
-        at = next((k for k, (a, b) in enumerate(zip(seen, ids, strict=False)) if a != b), min(len(seen), len(ids)))
-        raise RuntimeError(
-            f"the rollout engine saw other prompt ids than it was given ({len(seen)} vs {len(ids)} tokens, first "
-            f"difference at position {at}: {seen[at:at + 5]} vs {ids[at:at + 5]})"
-        )
-
-
-def _completions(out, versions: tuple[int, int] | None = None) -> list[Completion]:
-    group = []
-    for c in sorted(out.outputs, key=lambda c: c.index):
-        ids = list(c.token_ids)
-        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)]
-        group.append(Completion(ids, lps, c.finish_reason or "length", versions))
-    return group
-
-
-def kv_cache_bytes_for(model_path: Path, max_num_seqs: int, max_model_len: int, tp: int) -> int:
-    """KV cache bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens, +25%, rounded to MiB."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    cfg = getattr(cfg, "text_config", cfg)  # a vision-language model's cache is its language model's
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = max(1, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tp)
-    dtype_bytes = 2 if str(getattr(cfg, "dtype", None) or "float32") in ("bfloat16", "float16", "torch.bfloat16") else 4
-    block = 128  # round every sequence up to whole blocks (vLLM's CPU block size)
-    tokens = max_num_seqs * math.ceil(max_model_len / block) * block
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-    return max(4 << 20, math.ceil(tokens * per_token * 1.25 / (1 << 20)) << 20)

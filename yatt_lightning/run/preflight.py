@@ -27,7 +27,9 @@ def check_run(model, datamodule, trainer) -> None:
     check_weights(path)
     tokenizer = load_tokenizer(path)
     longest = model.max_prompt_tokens + model.sampling.max_new_tokens
-    if longest > arch.max_position_embeddings:
+    if getattr(model, "agent", None) is not None:  # an episode's length is the agent's budget
+        check_agent(model, strategy, tokenizer, path)
+    elif longest > arch.max_position_embeddings:
         raise ValueError(
             f"`model.max_prompt_tokens` ({model.max_prompt_tokens}) + `model.sampling.max_new_tokens` "
             f"({model.sampling.max_new_tokens}) = {longest} exceeds the model's {arch.max_position_embeddings} "
@@ -38,6 +40,28 @@ def check_run(model, datamodule, trainer) -> None:
         raise ValueError("`trainer.max_steps` is 0: the run would train nothing; set it to the number of RL steps.")
     if datamodule is not None and hasattr(datamodule, "load_rows"):
         check_data(model, datamodule, trainer, path, tokenizer)
+
+
+def check_agent(model, strategy, tokenizer, path: Path) -> None:
+    """``model.agent``: its budgets within the model's positions, its chat template, and a controller and
+    placement that run episodes."""
+    model.agent.configure(tokenizer, model.apply_chat_template, path, model.max_prompt_tokens)
+    controller, placement = getattr(strategy, "controller", None), getattr(strategy, "placement", None)
+    if type(controller).__name__ == "SingleController":
+        raise ValueError(
+            "`model.agent` runs episodes on every rank's own engine: use `trainer.strategy.controller: "
+            "ParallelController` (the default), not SingleController."
+        )
+    if type(placement).__name__ == "PartialColocation":
+        raise ValueError(
+            "`model.agent` with `trainer.strategy.placement: PartialColocation` is not supported yet: score the "
+            "episodes with reward functions or the environment, under FullColocation or Disaggregated."
+        )
+    if getattr(strategy, "tensor_model_parallel_size", 1) > 1:
+        raise ValueError(
+            "`model.agent` with `trainer.strategy.tensor_model_parallel_size` > 1 is not supported yet (the ranks "
+            "of a tensor-parallel engine must submit the same turns at the same engine step); use data parallelism."
+        )
 
 
 def check_writable(trainer) -> None:

@@ -19,19 +19,25 @@ from yatt_lightning.training.packing import pack_by_tokens
 class TrainingSamples:
     """A rank's samples as training sees them: each sample's prompt and completion token ids, the engine's
     logprobs of the completion (the behaviour policy), and its images' references (``None`` for a text row;
-    paths and hashes, never pixels). What the load balancer moves between ranks; the rollouts' texts,
-    rows and rewards stay with their owner."""
+    paths and hashes, never pixels). ``action_masks``: for an agent's episodes, per completion token 1 where
+    the model sampled it and 0 for an observation's (the loss skips those); ``None``: every completion token
+    is the model's. What the load balancer moves between ranks; the rollouts' texts, rows and rewards stay
+    with their owner."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     rollout_logprobs: list[torch.Tensor]
     images: list[list[Any] | None]
+    action_masks: list[torch.Tensor] | None = None
 
     @classmethod
     def of(cls, rollouts: RolloutBatch) -> TrainingSamples:
+        masks = None
+        if rollouts.turns is not None:
+            masks = [torch.tensor(t.mask, dtype=torch.float) for t in rollouts.turns]
         return cls(
             rollouts.prompt_ids, rollouts.completion_ids, rollouts.rollout_logprobs,
-            [row["images"] if "images" in row else None for row in rollouts.rows],
+            [row["images"] if "images" in row else None for row in rollouts.rows], masks,
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -45,7 +51,9 @@ class TrainingSamples:
 class MicroBatch:
     """One right-padded micro-batch of ``b`` samples of longest length ``s``.
 
-    ``input_ids [b, s]``; ``loss_mask [b, s-1]`` (1 where position t predicts a completion token);
+    ``input_ids [b, s]``; ``loss_mask [b, s-1]`` (1 where position t predicts a completion token the model
+    sampled: not an observation's in an agent's episode); ``completion_mask [b, s-1]`` (1 where it predicts
+    any completion token), only where the two differ;
     ``sample_index [b]`` (the samples' indices in their batch); ``rollout_logprobs [b, s-1]`` (the
     engine's); where known ``old_logprobs``, ``ref_logprobs [b, s-1]`` and ``advantages`` (``[b]``, or
     ``[b, s-1]`` when they are per token); with a critic ``returns`` and ``old_values [b, s-1]``; for a
@@ -65,6 +73,7 @@ class MicroBatch:
     old_values: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
+    completion_mask: torch.Tensor | None = None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         value = getattr(self, key, None) if key in _FIELDS else None
@@ -149,7 +158,7 @@ class TrainingBatch:
                 p, c = samples.prompt_ids[i], samples.completion_ids[i]
                 ids[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
                 span = slice(len(p) - 1, len(p) - 1 + len(c))
-                mask[row, span] = 1.0
+                mask[row, span] = 1.0 if samples.action_masks is None else samples.action_masks[i]
                 for key, values in per_sample.items():
                     per_token[key][row, span] = values[i]
             fields = dict(per_token)
@@ -159,11 +168,17 @@ class TrainingBatch:
             if images is not None:  # placeholders count in the prompt only (a completion may sample the token)
                 fields["pixel_values"] = images
                 fields["prompt_lengths"] = torch.tensor([len(samples.prompt_ids[i]) for i in chunk])
+            if samples.action_masks is not None:  # per-token values are laid out over every completion token
+                full = torch.zeros_like(mask)
+                for row, i in enumerate(chunk):
+                    start = len(samples.prompt_ids[i]) - 1
+                    full[row, start : start + len(samples.completion_ids[i])] = 1.0
+                fields["completion_mask"] = full
             out.append(MicroBatch(ids, mask, torch.tensor(chunk), **fields))
         return out
 
     @staticmethod
     def unpack_per_token(mb: MicroBatch, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-sample completion-token slices of a ``[b, s-1]`` tensor computed for micro-batch ``mb``."""
-        mask = mb.loss_mask.bool()
+        mask = (mb.loss_mask if mb.completion_mask is None else mb.completion_mask).bool()
         return [values[row][mask[row]].detach().clone() for row in range(values.shape[0])]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from yatt_lightning.rollout.base import AGENT_FIGURES
 from yatt_lightning.rollout.batch import RolloutBatch
 
 
@@ -35,7 +36,8 @@ _ACTOR_KEYS = ("pg_loss", "kl", "clip_fraction", "entropy", "ratio", "grad_norm"
 class StepContext:
     """What :func:`step_stats` needs besides the step's values: who reduces (the controller, over every
     rank), whether this rank counts its group's samples, the reward figures every rank reports (the same
-    keys on every rank), how many samples to show, and the learning rate of the step's update."""
+    keys on every rank), how many samples to show, the learning rate of the step's update, and whether the
+    samples are an agent's episodes (every rank reports their figures, even with no sample this step)."""
 
     controller: Any
     is_model_parallel_head: bool
@@ -43,6 +45,7 @@ class StepContext:
     reward_keys: list[str]
     log_samples: int
     lr: float
+    agent: bool = False
 
 
 def step_stats(
@@ -61,7 +64,11 @@ def step_stats(
     and dynamic sampling's), logged as they are named; ``times``: the phases' seconds; ``rank_figures``:
     this rank's own (idle seconds, memory per stage), logged per rank."""
     controller = context.controller
-    rewards = rollouts.rewards
+    rewards = rollouts.rewards  # each sample's total: its scalar and its per-token rewards (an agent's turns)
+    if rollouts.token_rewards is not None:
+        rewards = rewards + torch.stack([t.sum() for t in rollouts.token_rewards]).to(rewards.dtype)
+    agent = context.agent
+    turns = [sum(t.figures.get(k, 0.0) for t in rollouts.turns or []) for k in AGENT_FIGURES] if agent else []
     lengths = rollouts.response_lengths()
     # The ranks of a model-parallel group hold the same rollouts: count them once, at the group's head.
     w = 1.0 if context.is_model_parallel_head else 0.0
@@ -69,14 +76,16 @@ def step_stats(
     diff = stats["logprob_diff_max"] if stats else 0.0
     local = torch.tensor(
         [w * rewards.sum(), w * (rewards**2).sum(), w * len(rewards), w * lengths.sum(), lengths.max(), diff]
-        + [w * reward_metrics.get(k, 0.0) for k in names],
+        + [w * reward_metrics.get(k, 0.0) for k in names]
+        + [w * v for v in turns],
         dtype=torch.float64,
     )
     maxes = controller.all_reduce(local[[4, 5]].clone(), op=torch.distributed.ReduceOp.MAX)
     controller.all_reduce(local)
     local[[4, 5]] = maxes
     r_sum, r_sq, count, len_sum, len_max, lp_diff = local[:6].tolist()
-    extra = dict(zip(names, local[6:].tolist(), strict=True))
+    extra = dict(zip(names, local[6 : 6 + len(names)].tolist(), strict=True))
+    agent_sums = dict(zip(AGENT_FIGURES, local[6 + len(names) :].tolist(), strict=False))
     mean = r_sum / count
     metrics = {
         "reward/mean": mean,
@@ -91,6 +100,9 @@ def step_stats(
             metrics[key.removesuffix("/sum") + "/mean"] = value / count
         else:
             metrics[key] = value
+    if agent:  # per episode: turns, tool calls and errors, seconds in tools; per step: episodes cut short
+        metrics.update({f"agent/{k}_per_episode": agent_sums[k] / count for k in AGENT_FIGURES if k != "truncated"})
+        metrics["agent/truncated"] = agent_sums["truncated"]
     if stats is not None:
         metrics.update({f"actor/{k}": stats[k] for k in _ACTOR_KEYS})
         metrics["actor/lr"] = context.lr
@@ -100,7 +112,7 @@ def step_stats(
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics.update(_per_rank(context.world_size, times, rank_figures, controller.group))
     samples = [
-        (rollouts.prompts[i], rollouts.completions[i], float(rollouts.rewards[i]))
+        (rollouts.prompts[i], rollouts.completions[i], float(rewards[i]))
         for i in range(min(context.log_samples, len(rollouts)))
     ]
     progress = {"reward": mean, "t_roll": times["rollout"], "t_train": times["train"]}
