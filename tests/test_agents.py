@@ -257,3 +257,50 @@ def test_on_a_real_engine_a_hanging_or_raising_environment_ends_its_episodes_or_
     assert out["finish"]["3"] == out["finish"]["5"] == ["length", "length"] and out["wall"] < 10
     # on_error: raise: the run stops naming the environment's error and the row
     assert "raised RuntimeError: the environment broke on the row {'prompt': 'guess 0 to 7 #5'" in out["raised"]
+
+
+# ------------------------------------------------------------------------------------------ through yatt fit
+@pytest.mark.slow
+def test_a_deterministic_agent_run_killed_mid_training_resumes_bitwise(tmp_path):
+    """The lookup config with ``deterministic: true`` and a checkpoint every 2 steps; SIGKILL as step 5 starts,
+    then ``--ckpt_path last``: every step's episodes and rewards and the final weights equal those of a run
+    never interrupted."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import REPO
+
+    script = REPO / "tests" / "scripts" / "async_fit.py"
+    saver = lambda out: json.dumps([{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",  # noqa: E731
+                                     "init_args": {"every_n_steps": 2, "dirpath": str(out / "ckpts")}}])  # fmt: skip
+    common = ["--base", str(REPO / "configs" / "agent_lookup_tiny.yaml"), "--trainer.max_steps=8",
+              "--data.init_args.batch_size=8", "--model.init_args.agent.init_args.deterministic=true"]  # fmt: skip
+
+    def fit(out, *args):
+        return subprocess.run([sys.executable, str(script), str(out), *common, "--trainer.callbacks", saver(out), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, start_new_session=True)  # fmt: skip
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert fit(whole).returncode == 0
+    killed = fit(cut, "--kill", "sigkill:5")
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-3000:]
+    resumed = fit(cut, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+
+    def records(out):
+        rows = [json.loads(line) for line in (out / "record.jsonl").read_text().splitlines()]
+        return {row["step"]: row for row in rows}
+
+    a, b = records(whole), records(cut)
+    assert sorted(a) == sorted(b) == list(range(8))
+    for step in a:
+        assert a[step]["completions"] == b[step]["completions"], f"step {step}: different episodes"
+        assert a[step]["rewards"] == b[step]["rewards"], f"step {step}: different rewards"
+    assert max(len(c) for c in a[0]["completions"]) > 3, "episodes of more than one turn"
+    wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"

@@ -1,7 +1,7 @@
 """Run ``yatt fit`` (the real CLI) and record, per step, what was trained on; for the asynchronous tests.
 
     python tests/scripts/async_fit.py OUT_DIR [--slow-train SECONDS] [--slow-generate SECONDS] [--fail-at STEP]
-                                      [--kill WHAT:STEP] [yatt fit overrides...]
+                                      [--kill WHAT:STEP] [--base CONFIG] [yatt fit overrides...]
 
 Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
 and the async figures; also appended as it goes to OUT_DIR/record.jsonl, across resumed runs) and
@@ -11,8 +11,9 @@ long before each of its steps (a slow producer, in whose generations a published
 ``--fail-at``: the reward raises at that step on the rank that scores (a failing rollout rank).
 ``--kill sigterm-rollout:STEP`` (``sigterm-train:STEP``): the rollout rank (the trainer) sends itself
 SIGTERM as its RL step STEP starts; ``--kill sigkill:STEP``: the trainer SIGKILLs the run's process group
-as its RL step STEP starts. The run is the real ``yatt fit`` (``--ckpt_path last``, the exit code 128 +
-signal).
+as its RL step STEP starts. ``--base``: the config (default ``configs/grpo_async_tiny.yaml``; a colocated
+one trains and rolls out on every rank). The run is the real ``yatt fit`` (``--ckpt_path last``, the exit
+code 128 + signal).
 """
 
 import json
@@ -63,7 +64,7 @@ class Record(Callback):
         step = getattr(trainer.strategy.placement, "steps", batch_idx)  # the RL step (colocated: the batch)
         if self.kill == (f"sigterm-{role}", step):
             os.kill(os.getpid(), signal.SIGTERM)
-        if self.kill == ("sigkill", step) and role == "train":
+        if self.kill == ("sigkill", step) and role != "rollout":
             os.write(1, f"FAULT: SIGKILL at step {step}\n".encode())
             os.killpg(os.getpgid(0), signal.SIGKILL)
         if self.slow and role != "rollout":
@@ -78,7 +79,8 @@ class Record(Callback):
         rollouts = module.last_rollouts
         scalars = outputs["stats"].scalars
         self.steps.append({
-            "step": getattr(trainer.strategy.placement, "steps", len(self.steps) + 1) - 1,
+            # the RL step (colocated: the optimizer step, one per RL step in these runs, resumed or not)
+            "step": getattr(trainer.strategy.placement, "steps", trainer.global_step) - 1,
             "completions": [list(c) for c in rollouts.completion_ids],
             "rewards": rollouts.rewards.tolist(),
             "versions": [list(v) for v in rollouts.versions or []],
@@ -112,7 +114,8 @@ def main() -> None:
     if "--kill" in args:
         what, step = args[args.index("--kill") + 1].split(":")
         kill = (what, int(step))
-    for flag in ("--slow-train", "--slow-generate", "--fail-at", "--kill"):
+    config = args[args.index("--base") + 1] if "--base" in args else str(REPO / "configs" / "grpo_async_tiny.yaml")
+    for flag in ("--slow-train", "--slow-generate", "--fail-at", "--kill", "--base"):
         if flag in args:
             i = args.index(flag)
             del args[i : i + 2]
@@ -127,7 +130,6 @@ def main() -> None:
             self.trainer.callbacks.append(Record(out, slow, fail_at, kill, slow_generate))
             super().before_fit()
 
-    config = str(REPO / "configs" / "grpo_async_tiny.yaml")
     AsyncFitCLI(args=["fit", "--config", config, "--trainer.callbacks", "[]", *overrides], console=False)
 
 

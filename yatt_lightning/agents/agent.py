@@ -28,6 +28,10 @@ class Agent:
         on_error: An environment that raises or runs past ``step_timeout_s``: ``raise`` stops the run naming
             the row; ``end`` ends the episode there (counted in ``agent/env_errors``). Tools' own errors are
             the tool environment's (``on_tool_error``): they become observations.
+        deterministic: The answers of one engine step all reach the engine before its next step, in the
+            episodes' order, so a run (and a run killed and resumed) samples the same tokens whatever the
+            threads' timing; environments then no longer answer while the engine generates. The
+            environments must be deterministic too (``reset``'s seed).
     """
 
     def __init__(
@@ -38,6 +42,7 @@ class Agent:
         max_total_tokens: int | None = None,
         step_timeout_s: float = 60.0,
         on_error: Literal["raise", "end"] = "raise",
+        deterministic: bool = False,
     ) -> None:
         if not isinstance(environment, Environment):
             raise ValueError(
@@ -59,6 +64,7 @@ class Agent:
         self.max_total_tokens = max_total_tokens
         self.step_timeout_s = step_timeout_s
         self.on_error = on_error
+        self.deterministic = deterministic
         self.tokens: TurnTokens | None = None
 
     def configure(self, tokenizer, chat: bool, model_path, max_prompt_tokens: int) -> None:
@@ -91,7 +97,7 @@ class Agent:
         if request.max_new_tokens is not None:
             raise ValueError("`model.long_tail`: partial rollouts of episodes are not supported; use WaitForAll or OverProvision.")
         budgets = Budgets(self.max_turns, self.max_tokens_per_turn, self.max_total_tokens, self.step_timeout_s,
-                          self.on_error)  # fmt: skip
+                          self.on_error, self.deterministic)  # fmt: skip
         return run_episodes(
             engine, self.environment, request.rows, request.prompt_ids, request.seeds, request.sampling, budgets,
             self.tokens,

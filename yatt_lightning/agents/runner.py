@@ -75,6 +75,7 @@ class Budgets:
     max_total_tokens: int
     step_timeout_s: float
     on_error: str
+    deterministic: bool = False
 
 
 class _Call:
@@ -186,6 +187,10 @@ def run_episodes(
             else:
                 soonest = min((c.deadline for c in calls.values()), default=time.monotonic() + 1.0)
                 block = max(0.0, soonest - time.monotonic())
+            if budgets.deterministic:  # every answer before the next engine step, in the episodes' order
+                for call in _settle(answered, calls):
+                    answer(call)
+                continue
             _drain(answered, calls, answer, block)
             now = time.monotonic()
             for key in [k for k, c in calls.items() if c.deadline <= now and c.result is None]:
@@ -207,6 +212,20 @@ def _drain(answered: queue.Queue, calls: dict, answer, block: float) -> None:
         block = 0.0
         if calls.get(call.state.key) is call:  # not one abandoned at its deadline
             answer(calls.pop(call.state.key))
+
+
+def _settle(answered: queue.Queue, calls: dict) -> list[_Call]:
+    """Every call in flight, once each has answered or passed its deadline, in the episodes' order (so the
+    engine gets the next turns in the same order whatever the threads' timing)."""
+    while any(c.result is None and time.monotonic() < c.deadline for c in calls.values()):
+        soonest = min(c.deadline for c in calls.values() if c.result is None)
+        try:
+            answered.get(timeout=max(0.0, soonest - time.monotonic()))
+        except queue.Empty:
+            pass
+    while not answered.empty():  # their wake-ups, read
+        answered.get_nowait()
+    return [calls.pop(key) for key in sorted(calls)]
 
 
 def _clip(row: dict) -> str:
