@@ -304,3 +304,43 @@ def test_a_deterministic_agent_run_killed_mid_training_resumes_bitwise(tmp_path)
     assert max(len(c) for c in a[0]["completions"]) > 3, "episodes of more than one turn"
     wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
+
+
+def test_the_prompt_describes_the_tools_through_the_chat_template(tiny_tokenizer):
+    from yatt_lightning.chat import PromptFormat
+
+    template = "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function.name') | join(', ') }}" \
+               "<|im_end|>\n{% endif %}" + CHATML  # fmt: skip
+    env = ToolEnvironment([Calculator(), Lookup()])
+    fmt = PromptFormat(tiny_tokenizer, template, tools=env.tool_schemas())
+    text = tiny_tokenizer.decode(fmt.ids({"prompt": "what is 2+3?"}))
+    assert text.startswith("<|im_start|>system\nTools: calculator, lookup<|im_end|>\n<|im_start|>user\nwhat is 2+3?")
+    assert env.tool_schemas()[0]["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_a_users_own_tool_in_their_own_file_is_selected_from_yaml(tmp_path, monkeypatch):
+    """The README's example: ``my_tools.Weather`` in the working directory, named in the config."""
+    from tests.helpers import REPO
+    from yatt_lightning.run.cli import YattCLI
+
+    (tmp_path / "my_tools.py").write_text(
+        "from yatt_lightning.agents import Tool, ToolError\n\n"
+        "class Weather(Tool):\n"
+        "    name = 'weather'\n"
+        "    parameters = {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}\n\n"
+        "    def run(self, arguments, row, timeout_s):\n"
+        "        if arguments['city'] not in row['forecast']:\n"
+        "            raise ToolError(f\"no forecast for {arguments['city']}\")\n"
+        "        return row['forecast'][arguments['city']]\n"
+    )
+    (tmp_path / "tools.yaml").write_text(
+        "model:\n  init_args:\n    agent:\n      init_args:\n        environment:\n          init_args:\n"
+        "            tools:\n              - class_path: my_tools.Weather\n            call_format: null\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cli = YattCLI(args=["--config", str(REPO / "configs" / "agent_lookup_tiny.yaml"), "--config", "tools.yaml"], run=False)
+    env = cli.model.agent.environment
+    episode = env.reset({"forecast": {"Paris": "rain"}}, 0)
+    assert episode.step(_call("weather", '{"city": "Paris"}')).text == "<tool_response>\nrain\n</tool_response>"
+    assert "no forecast for Rome" in episode.step(_call("weather", '{"city": "Rome"}')).text

@@ -110,12 +110,13 @@ def _row_images(row: dict) -> list | None:
 
 
 # ---------------------------------------------------------------------------------------------- ids
-def render(tokenizer: Any, messages: list[dict], chat_template: str | None = None) -> list[int]:
+def render(tokenizer: Any, messages: list[dict], chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """The ids of ``messages`` under the chat template, as the tokenizer's own ``apply_chat_template``
-    gives them: with the generation prompt after a user turn, continuing a final assistant turn."""
+    gives them: with the generation prompt after a user turn, continuing a final assistant turn; ``tools``:
+    the agent's tool schemas, which the template describes to the model (Qwen's and Hermes' do)."""
     continue_final = messages[-1]["role"] == "assistant"
     out = tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, tokenize=True, return_dict=True,
+        messages, chat_template=chat_template, tokenize=True, return_dict=True, tools=tools,
         add_generation_prompt=not continue_final, continue_final_message=continue_final,
     )  # fmt: skip
     ids = out["input_ids"] if isinstance(out, Mapping) else out
@@ -134,10 +135,12 @@ class PromptFormat:
     system_prompt: str | None = None
     image_token_id: int | None = None
     source: str = "the model"  # where the template came from, for messages
+    tools: list[dict] | None = None  # an agent's tool schemas, rendered by the template
 
     @classmethod
     def of(
-        cls, path: Path, tokenizer: Any, *, apply_chat_template: bool = True, system_prompt: str | None = None
+        cls, path: Path, tokenizer: Any, *, apply_chat_template: bool = True, system_prompt: str | None = None,
+        tools: list[dict] | None = None,
     ) -> PromptFormat:
         """The format of the model folder ``path`` (its tokenizer already loaded). Raises a ``ValueError``
         naming ``model.system_prompt`` when it is set but no chat template is in use."""
@@ -160,7 +163,7 @@ class PromptFormat:
                 "a model whose tokenizer has a chat template (tokenizer.chat_template)."
             )
         image_token = config.image_token_index if vision else None
-        return cls(tokenizer, template, system_prompt, image_token, source)
+        return cls(tokenizer, template, system_prompt, image_token, source, tools if template is not None else None)
 
     def messages(self, row: dict) -> list[dict]:
         """The conversation the template renders for ``row``: its messages (or its prompt as a user turn),
@@ -176,7 +179,7 @@ class PromptFormat:
         where = row["_source"] if "_source" in row else "built-in task"
         if self.chat_template is not None:
             try:
-                ids = render(self.tokenizer, self.messages(row), self.chat_template)
+                ids = render(self.tokenizer, self.messages(row), self.chat_template, self.tools)
             except Exception as err:  # jinja's TemplateError, a template's own raise_exception, TypeError, ...
                 parts = " (a vision-language model's messages carry content parts)" if self.image_token_id else ""
                 raise ValueError(

@@ -89,6 +89,10 @@ class Agent:
             )
         self.tokens = TurnTokens(tokenizer, chat)
 
+    def tool_schemas(self) -> list[dict] | None:
+        """The environment's tools as a chat template's ``tools`` (the prompts describe them), or None."""
+        return self.environment.tool_schemas()
+
     def episodes(self, engine, request) -> Iterator[tuple[int, list[Completion]]]:
         """``(prompt index, its n episodes)`` for a :class:`~yatt_lightning.rollout.types.RolloutRequest`, as
         each prompt's episodes end."""

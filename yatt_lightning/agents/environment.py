@@ -54,5 +54,10 @@ class Environment:
         at random draws from it, so that a run is reproducible)."""
         raise NotImplementedError
 
+    def tool_schemas(self) -> list[dict] | None:
+        """Tools the prompts should describe (OpenAI's function format, rendered by the chat template), or
+        None."""
+        return None
+
     def check_row(self, row: dict, where: str) -> None:
         """Raise a ValueError naming ``where`` (the row's source) if this environment cannot run ``row``."""

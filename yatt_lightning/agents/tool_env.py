@@ -65,6 +65,9 @@ class ToolEnvironment(Environment):
     def reset(self, row: dict, seed: int) -> Episode:
         return ToolEpisode(self, row)
 
+    def tool_schemas(self) -> list[dict] | None:
+        return [tool.schema() for tool in self.tools.values()] or None
+
     def call(self, call: Call, row: dict) -> tuple[str, bool]:
         """A call's result text, and whether it failed."""
         tool = self.tools.get(call.name)

@@ -23,8 +23,9 @@ class Prompts:
 
     def prompt_format_for(self, path, tokenizer) -> PromptFormat:
         """How this module's rows become prompt ids for the model folder ``path`` (also used by preflight)."""
+        tools = self.agent.tool_schemas() if getattr(self, "agent", None) is not None else None
         return PromptFormat.of(
-            path, tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt
+            path, tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt, tools=tools
         )
 
     def tokenize_prompt(self, row: dict) -> list[int]:
