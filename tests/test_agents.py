@@ -261,10 +261,12 @@ def test_on_a_real_engine_a_hanging_or_raising_environment_ends_its_episodes_or_
 
 # ------------------------------------------------------------------------------------------ through yatt fit
 @pytest.mark.slow
-def test_a_deterministic_agent_run_killed_mid_training_resumes_bitwise(tmp_path):
-    """The lookup config with ``deterministic: true`` and a checkpoint every 2 steps; SIGKILL as step 5 starts,
+def test_deterministic_agent_runs_resume_bitwise_and_tp2_and_dp2_episodes_match_one_process(tmp_path):
+    """The lookup config with ``deterministic: true`` and a checkpoint every 2 steps. SIGKILL as step 4 starts,
     then ``--ckpt_path last``: every step's episodes and rewards and the final weights equal those of a run
-    never interrupted."""
+    never interrupted. TP=2 (one engine over two ranks) samples the same episodes as the one process; so
+    does DP=2 (each rank half the rows: each of rank 0's episodes is one of the one process's, prompt and
+    all)."""
     import json
     import signal
     import subprocess
@@ -277,33 +279,44 @@ def test_a_deterministic_agent_run_killed_mid_training_resumes_bitwise(tmp_path)
     script = REPO / "tests" / "scripts" / "async_fit.py"
     saver = lambda out: json.dumps([{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",  # noqa: E731
                                      "init_args": {"every_n_steps": 2, "dirpath": str(out / "ckpts")}}])  # fmt: skip
-    common = ["--base", str(REPO / "configs" / "agent_lookup_tiny.yaml"), "--trainer.max_steps=8",
-              "--data.init_args.batch_size=8", "--model.init_args.agent.init_args.deterministic=true"]  # fmt: skip
+    common = ["--base", str(REPO / "configs" / "agent_lookup_tiny.yaml"), "--trainer.max_steps=6",
+              "--model.init_args.agent.init_args.deterministic=true"]  # fmt: skip
 
-    def fit(out, *args):
-        return subprocess.run([sys.executable, str(script), str(out), *common, "--trainer.callbacks", saver(out), *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=300, start_new_session=True)  # fmt: skip
-
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert fit(whole).returncode == 0
-    killed = fit(cut, "--kill", "sigkill:5")
-    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-3000:]
-    resumed = fit(cut, "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout + resumed.stderr
+    def fit(out, *args, batch=8):
+        return subprocess.run(
+            [sys.executable, str(script), str(out), *common, f"--data.init_args.batch_size={batch}",
+             "--trainer.callbacks", saver(out), *args],
+            cwd=REPO, capture_output=True, text=True, timeout=300, start_new_session=True,
+        )  # fmt: skip
 
     def records(out):
         rows = [json.loads(line) for line in (out / "record.jsonl").read_text().splitlines()]
         return {row["step"]: row for row in rows}
 
+    whole, cut, tp, dp = (tmp_path / name for name in ("whole", "cut", "tp", "dp"))
+    assert fit(whole).returncode == 0
+    killed = fit(cut, "--kill", "sigkill:4")
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-3000:]
+    resumed = fit(cut, "--ckpt_path", "last")
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
     a, b = records(whole), records(cut)
-    assert sorted(a) == sorted(b) == list(range(8))
+    assert sorted(a) == sorted(b) == list(range(6))
     for step in a:
         assert a[step]["completions"] == b[step]["completions"], f"step {step}: different episodes"
         assert a[step]["rewards"] == b[step]["rewards"], f"step {step}: different rewards"
     assert max(len(c) for c in a[0]["completions"]) > 3, "episodes of more than one turn"
     wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
+
+    two = ["--trainer.devices=2", "--trainer.enable_checkpointing=false"]
+    assert fit(tp, *two, "--trainer.strategy.init_args.tensor_model_parallel_size=2").returncode == 0
+    assert fit(dp, *two, batch=4).returncode == 0
+    t, d = records(tp), records(dp)
+    for step in a:
+        assert t[step]["completions"] == a[step]["completions"], f"TP=2, step {step}: other episodes"
+        pairs = [p + [-1] + c for p, c in zip(a[step]["prompts"], a[step]["completions"], strict=True)]
+        mine = [p + [-1] + c for p, c in zip(d[step]["prompts"], d[step]["completions"], strict=True)]
+        assert len(mine) == 32 and all(m in pairs for m in mine), f"DP=2, step {step}: episodes one process never had"
 
 
 def test_the_prompt_describes_the_tools_through_the_chat_template(tiny_tokenizer):
@@ -344,3 +357,17 @@ def test_a_users_own_tool_in_their_own_file_is_selected_from_yaml(tmp_path, monk
     episode = env.reset({"forecast": {"Paris": "rain"}}, 0)
     assert episode.step(_call("weather", '{"city": "Paris"}')).text == "<tool_response>\nrain\n</tool_response>"
     assert "no forecast for Rome" in episode.step(_call("weather", '{"city": "Rome"}')).text
+
+
+def test_an_agent_on_the_openai_client_makes_token_exact_episodes_through_the_endpoint():
+    """The real ``openai`` client against the endpoint, with and without a chat template (whose tokens come
+    between the turns): every turn's prompt is the episode so far, the trajectory is its last turn's prompt
+    and output, the first prompt is the first request rendered once, and a request that rewrites the
+    conversation is refused (409) and counted."""
+    out = run_script("agent_endpoint.py", timeout=300)
+    for mode in ("plain", "chat"):
+        got = out[mode]
+        assert got["exact"] and got["first_rendered"], (mode, got)
+        assert got["turns"] == {"0": [2.0, 2.0], "1": [1.0, 1.0]}, (mode, got)  # row 1 rewrote its history
+        assert got["rewards"]["1"] == [[-409.0], [-409.0]] and got["errors"] == {"0": [0.0, 0.0], "1": [1.0, 1.0]}
+    assert "<|im_end|>\n<|im_start|>user\n= 7<|im_end|>\n<|im_start|>assistant\n" in out["chat"]["text"]

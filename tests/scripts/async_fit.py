@@ -82,6 +82,7 @@ class Record(Callback):
             # the RL step (colocated: the optimizer step, one per RL step in these runs, resumed or not)
             "step": getattr(trainer.strategy.placement, "steps", trainer.global_step) - 1,
             "completions": [list(c) for c in rollouts.completion_ids],
+            "prompts": [list(p) for p in rollouts.prompt_ids],
             "rewards": rollouts.rewards.tolist(),
             "versions": [list(v) for v in rollouts.versions or []],
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},

@@ -8,6 +8,7 @@ token (:class:`EnvironmentReward`).
 
 from yatt_lightning.agents.agent import Agent
 from yatt_lightning.agents.calls import Call, CallFormat, HermesCalls, RegexCalls
+from yatt_lightning.agents.endpoint import OpenAIEndpoint
 from yatt_lightning.agents.environment import Environment, Episode, Observation
 from yatt_lightning.agents.games import GuessEnvironment, lookup_score
 from yatt_lightning.agents.reward import EnvironmentReward
@@ -17,6 +18,6 @@ from yatt_lightning.agents.tools import Calculator, Lookup, Tool, ToolError
 
 __all__ = [
     "Agent", "Calculator", "Call", "CallFormat", "Environment", "EnvironmentReward", "Episode", "GuessEnvironment",
-    "HermesCalls", "Lookup", "Observation", "Python", "RegexCalls", "Tool", "ToolEnvironment", "ToolError",
+    "HermesCalls", "Lookup", "Observation", "OpenAIEndpoint", "Python", "RegexCalls", "Tool", "ToolEnvironment", "ToolError",
     "lookup_score",
 ]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from yatt_lightning.agents.endpoint import OpenAIEndpoint, run_endpoint_episodes
 from yatt_lightning.agents.environment import Environment
 from yatt_lightning.agents.runner import Budgets, run_episodes
 from yatt_lightning.agents.turn_tokens import TurnTokens
@@ -102,6 +103,9 @@ class Agent:
             raise ValueError("`model.long_tail`: partial rollouts of episodes are not supported; use WaitForAll or OverProvision.")
         budgets = Budgets(self.max_turns, self.max_tokens_per_turn, self.max_total_tokens, self.step_timeout_s,
                           self.on_error, self.deterministic)  # fmt: skip
+        if isinstance(self.environment, OpenAIEndpoint):  # the user's agent drives the episodes over HTTP
+            return run_endpoint_episodes(engine, self.environment, request.rows, request.prompt_ids, request.seeds,
+                                         request.sampling, budgets, self.tokens)  # fmt: skip
         return run_episodes(
             engine, self.environment, request.rows, request.prompt_ids, request.seeds, request.sampling, budgets,
             self.tokens,

@@ -59,18 +59,28 @@ class TurnTokens:
             close = close[1:]
         if observation.token_ids is not None:
             return close + list(observation.token_ids)
-        return close + self._ids(self.message_text(observation))
+        return close + self._ids(self.messages_text([{"role": observation.role, "content": observation.text}]))
 
-    def message_text(self, observation: Observation) -> str:
-        """The template's text of the observation's message and the next generation prompt (after the end
-        of the assistant's turn)."""
+    def after_turn(self, turn_ids: list[int], messages: list[dict]) -> list[int]:
+        """The ids of ``messages`` (a tool's results, the user's next message) after the model's turn
+        ``turn_ids``, up to the next turn's generation prompt; without a template, their texts joined by
+        newlines after a newline."""
+        if not self.chat:
+            return self._ids("\n" + "\n".join(str(m.get("content", "")) for m in messages))
+        close = self.close_ids
+        if close and turn_ids and turn_ids[-1] == close[0]:
+            close = close[1:]
+        return close + self._ids(self.messages_text(messages))
+
+    def messages_text(self, messages: list[dict]) -> str:
+        """The template's text of ``messages`` and the next generation prompt (after the end of the
+        assistant's turn)."""
         conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}]
         turn = self._render(conversation)
-        message = {"role": observation.role, "content": observation.text}
-        after = self._render([*conversation, message], generation_prompt=True)
+        after = self._render([*conversation, *messages], generation_prompt=True)
         if not after.startswith(turn):
             raise ValueError(
-                f"`model.agent`: the chat template renders the conversation before a {observation.role!r} message "
-                "differently once the message follows; set `model.apply_chat_template: false`."
+                f"`model.agent`: the chat template renders the conversation before a {messages[0]['role']!r} "
+                "message differently once the message follows; set `model.apply_chat_template: false`."
             )
         return after[len(turn) :]

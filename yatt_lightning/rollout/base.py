@@ -69,6 +69,7 @@ class Completion:
     finish_reason: str = "length"
     versions: tuple[int, int] | None = None  # (first, last) policy version of its tokens, when the engine tracks them
     turns: Turns | None = None  # a multi-turn completion's structure
+    prompt_ids: list[int] | None = None  # the prompt it continues, when not its row's (an agent's own first request)
 
 
 class WeightFeed(Protocol):

@@ -89,7 +89,8 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """A batch of the kept groups' samples (``None``: a group not kept), in prompt order (the layout
         every controller relies on)."""
-        samples = [(g, rows[g], prompt_ids[g], c) for g, group in enumerate(groups) if group is not None for c in group]
+        samples = [(g, rows[g], getattr(c, "prompt_ids", None) or prompt_ids[g], c)
+                   for g, group in enumerate(groups) if group is not None for c in group]  # fmt: skip
         return RolloutBatch.from_samples(samples, tokenizer, metrics)
 
     @staticmethod

@@ -57,10 +57,10 @@ def check_agent(model, strategy, tokenizer, path: Path) -> None:
             "`model.agent` with `trainer.strategy.placement: PartialColocation` is not supported yet: score the "
             "episodes with reward functions or the environment, under FullColocation or Disaggregated."
         )
-    if getattr(strategy, "tensor_model_parallel_size", 1) > 1:
+    if getattr(strategy, "tensor_model_parallel_size", 1) > 1 and not model.agent.deterministic:
         raise ValueError(
-            "`model.agent` with `trainer.strategy.tensor_model_parallel_size` > 1 is not supported yet (the ranks "
-            "of a tensor-parallel engine must submit the same turns at the same engine step); use data parallelism."
+            "`model.agent` with `trainer.strategy.tensor_model_parallel_size` > 1 needs `model.agent.deterministic: "
+            "true`: the ranks of a tensor-parallel engine must give it the same turns at the same engine step."
         )
 
 
