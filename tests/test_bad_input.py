@@ -119,6 +119,9 @@ CONFIG_CASES = {
                        "            tools:\n              - class_path: mytools.Broken\n",
          "mytools.py": "from yatt_lightning.agents import Tool\n\nclass Broken(Tool):\n    name = 'broken'\n"
                        "    parameters = {'type': 'object', 'properties': {'x': {'type': 'no-such-type'}}}\n"}),
+    "an agent with partial rollouts": Case(
+        ["--config", LOOKUP, "--model.init_args.long_tail", "yatt_lightning.rollout.longtail.PartialRollout"],
+        r"`model.long_tail: PartialRollout` cannot carry an agent's episodes to the next step yet"),
     "an episode beyond the model's positions": Case(
         ["--config", LOOKUP, "--model.init_args.agent.init_args.max_total_tokens", "300"],
         r"`model.agent.max_total_tokens`=300 is more than the policy's 256 positions; set it to at most 256"),

@@ -57,6 +57,11 @@ def check_agent(model, strategy, tokenizer, path: Path) -> None:
             "`model.agent` with `trainer.strategy.placement: PartialColocation` is not supported yet: score the "
             "episodes with reward functions or the environment, under FullColocation or Disaggregated."
         )
+    if type(getattr(model, "long_tail", None)).__name__ == "PartialRollout":
+        raise ValueError(
+            "`model.long_tail: PartialRollout` cannot carry an agent's episodes to the next step yet; use WaitForAll "
+            "or OverProvision with `model.agent`."
+        )
     if getattr(strategy, "tensor_model_parallel_size", 1) > 1 and not model.agent.deterministic:
         raise ValueError(
             "`model.agent` with `trainer.strategy.tensor_model_parallel_size` > 1 needs `model.agent.deterministic: "
