@@ -220,7 +220,7 @@ class MegatronStrategy(DDPStrategy):
             _unsynchronised_sigterm(trainer)
         if self.role == "rollout":
             _run_even_when_done(trainer.fit_loop)
-        if not self._engine_started:
+        if not self._engine_started and getattr(self.lightning_module, "needs_engine", True):
             if self.rollout.setup is None:
                 raise RuntimeError(
                     "MegatronStrategy: the module did not hand the rollout service its setup in configure_model "

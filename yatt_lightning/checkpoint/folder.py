@@ -135,7 +135,7 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
             return None
     with megatron_cpu_context(), without_zip_crc():  # a synchronous save writes here (or in its forks)
         request = dist_checkpointing.save(
-            _sharded_state(module.policy, module.critic_model, is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
+            _sharded_state(module.policy, getattr(module, "critic_model", None), is_loading=False), str(tmp / WEIGHTS), async_sharded_save=asynchronous
         )
     rank = strategy.global_rank
     if asynchronous:
@@ -312,7 +312,7 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
     module = strategy.lightning_module
     if module.policy is None:
         return  # a disaggregated rollout rank: it gets the trainers' weights through the weight channel
-    critic = module.critic_model
+    critic = getattr(module, "critic_model", None)
     with megatron_cpu_context():
         state = dist_checkpointing.load(_sharded_state(module.policy, critic, is_loading=True), str(folder / WEIGHTS))
         for model, prefix in ((module.policy, "model"), (critic, "critic")):

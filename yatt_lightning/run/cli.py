@@ -28,6 +28,7 @@ from yatt_lightning.rollout.vllm_engine import set_vllm_env  # noqa: E402
 
 set_vllm_env()
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from jsonargparse import lazy_instance  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
@@ -35,7 +36,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
-from yatt_lightning.module import RLHFModule  # noqa: E402
+from yatt_lightning.module import RLHFModule  # noqa: E402, F401
 from yatt_lightning.run import console, errors  # noqa: E402
 from yatt_lightning.run.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
@@ -49,7 +50,7 @@ class YattCLI(LightningCLI):
         output into the run's ``output.log``) unless the config has a progress bar; default: when ``run``."""
         self.add_console = run if console is None else console
         super().__init__(
-            RLHFModule,
+            pl.LightningModule,  # RLHFModule, or another stage's module (SFTModule), chosen by class_path
             PromptDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,

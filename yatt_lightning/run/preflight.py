@@ -26,6 +26,9 @@ def check_run(model, datamodule, trainer) -> None:
     check_layout(arch, strategy, trainer)
     check_weights(path)
     tokenizer = load_tokenizer(path)
+    if not hasattr(model, "sampling"):  # a stage without a rollout (SFT): its own checks run at construction
+        check_writable(trainer)
+        return
     longest = model.max_prompt_tokens + model.sampling.max_new_tokens
     if getattr(model, "agent", None) is not None:  # an episode's length is the agent's budget
         check_agent(model, strategy, tokenizer, path)
