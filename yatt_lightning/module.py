@@ -27,7 +27,7 @@ from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.distributed.seeding import resolve_seed
-from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
 from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
 from yatt_lightning.rollout.base import SamplingConfig
@@ -208,15 +208,11 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoTokenizer
-
         from yatt_lightning.models.policy import MegatronPolicy
 
         path = self.policy_spec.resolve()
         self.model_path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = policy_tokenizer(path)
         self.prompt_format = self.prompt_format_for(path, self.tokenizer)
         if self.agent is not None:
             self.agent.configure(self.tokenizer, self.apply_chat_template, path, self.max_prompt_tokens)

@@ -34,3 +34,14 @@ class ModelSpec:
         if self.dtype == "auto":
             return torch.bfloat16 if torch.cuda.is_available() else torch.float32
         return getattr(torch, self.dtype)
+
+
+def policy_tokenizer(path):
+    """The tokenizer of the model folder ``path``, padding with its end-of-text token when it names no pad
+    token (the micro-batches are right-padded)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -16,7 +16,7 @@ from typing_extensions import override
 from yatt_lightning.chat import PromptFormat
 from yatt_lightning.distributed.seeding import resolve_seed
 from yatt_lightning.models.logprobs import token_logprobs
-from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch, TrainingSamples
 from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
@@ -68,16 +68,12 @@ class SFTModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoTokenizer
-
         from yatt_lightning.agents.turn_tokens import TurnTokens
         from yatt_lightning.models.policy import MegatronPolicy
 
         path = self.policy_spec.resolve()
         self.model_path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = policy_tokenizer(path)
         self.prompt_format = PromptFormat.of(
             path, self.tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt
         )
