@@ -113,7 +113,7 @@ def run_endpoint_episodes(
     try:
         for thread in threads:
             thread.start()
-        while any(left):
+        while True:  # groups are handed out at the top, so the last ones too before the loop ends
             while finished:
                 g = finished.pop(0)
                 yield g, [_completion(states[f"episode-{g}-{j}"]) for j in range(sampling.n)]
@@ -149,9 +149,6 @@ def run_endpoint_episodes(
                     state.add_observation([tokens.tokenizer.eos_token_id])
                     state.figures["env_errors"] += 1
                 finish(state)
-        while finished:
-            g = finished.pop(0)
-            yield g, [_completion(states[f"episode-{g}-{j}"]) for j in range(sampling.n)]
     finally:
         engine.abort_turns()
         server.close()

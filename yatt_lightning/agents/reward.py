@@ -23,9 +23,10 @@ class EnvironmentReward(TokenRewardFunction):
         tokens, total = [], 0.0
         for k, ids in enumerate(batch.completion_ids):
             values = [0.0] * len(ids)
-            turns = batch.turns[k] if batch.turns is not None else None
-            for end, reward in zip(turns.ends if turns else [], turns.rewards if turns else [], strict=True):
-                values[end] += reward
+            if batch.turns is not None:
+                turns = batch.turns[k]
+                for end, reward in zip(turns.ends, turns.rewards, strict=True):
+                    values[end] += reward
             total += sum(values)
             tokens.append(values)
         return RewardOutput([0.0] * len(batch), {f"reward/{self.name}/sum": total}, tokens)

@@ -170,7 +170,7 @@ def run_episodes(
         for state in states.values():
             state.episode = environment.reset(state.row, state.seed)
             next_turn(state)
-        while any(left):
+        while True:  # groups are handed out at the top, so the last ones too before the loop ends
             while finished:
                 g = finished.pop(0)
                 yield g, [states[f"{g}.{j}"].completion() for j in range(n)]
@@ -195,9 +195,6 @@ def run_episodes(
             now = time.monotonic()
             for key in [k for k, c in calls.items() if c.deadline <= now and c.result is None]:
                 answer(calls.pop(key))  # abandoned: its thread may still return, unheard
-        while finished:
-            g = finished.pop(0)
-            yield g, [states[f"{g}.{j}"].completion() for j in range(n)]
     finally:
         engine.abort_turns()
 

@@ -9,7 +9,6 @@ the model sees what a real agent would, and the run goes on, unless ``on_tool_er
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Literal
 
@@ -17,6 +16,7 @@ from yatt_lightning.agents.calls import Call, CallFormat, HermesCalls
 from yatt_lightning.agents.environment import Environment, Episode, Observation
 from yatt_lightning.agents.tools import Tool, ToolError
 from yatt_lightning.rewards.base import load_callable, public_fields
+from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
 
 
 class ToolEnvironment(Environment):
@@ -112,22 +112,10 @@ class ToolEpisode(Episode):
 
 
 def _within(tool: Tool, arguments: dict, row: dict) -> str:
-    """``tool.run`` on a thread of its own, at most ``tool.timeout_s`` (a tool that never returns is left
-    behind: a Python thread cannot be stopped; the Python tool kills its own process)."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append((True, tool.run(arguments, row, tool.timeout_s)))
-        except BaseException as err:  # noqa: BLE001 (handed to the caller)
-            out.append((False, err))
-
-    thread = threading.Thread(target=run, name=f"yatt-tool-{tool.name}", daemon=True)
-    thread.start()
-    thread.join(tool.timeout_s)
-    if not out:
-        raise TimeoutError(f"{tool.name} did not return within {tool.timeout_s:g} s")
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return str(value)
+    """``tool.run`` on a worker thread of its own (episodes call tools at once), at most ``tool.timeout_s``
+    (a tool that never returns is left behind: a Python thread cannot be stopped; the Python tool kills its
+    own process)."""
+    try:
+        return str(TimedCaller(tool.timeout_s, name=f"yatt-tool-{tool.name}")(tool.run, arguments, row, tool.timeout_s))
+    except DeadlineExceeded:
+        raise TimeoutError(f"{tool.name} did not return within {tool.timeout_s:g} s") from None

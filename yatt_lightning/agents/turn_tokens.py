@@ -54,9 +54,7 @@ class TurnTokens:
             if observation.token_ids is not None:
                 return list(observation.token_ids)
             return self._ids(observation.text)
-        close = self.close_ids
-        if close and turn_ids and turn_ids[-1] == close[0]:  # the model ended its turn itself
-            close = close[1:]
+        close = self._close(turn_ids)
         if observation.token_ids is not None:
             return close + list(observation.token_ids)
         return close + self._ids(self.messages_text([{"role": observation.role, "content": observation.text}]))
@@ -67,10 +65,15 @@ class TurnTokens:
         newlines after a newline."""
         if not self.chat:
             return self._ids("\n" + "\n".join(str(m.get("content", "")) for m in messages))
+        return self._close(turn_ids) + self._ids(self.messages_text(messages))
+
+    def _close(self, turn_ids: list[int]) -> list[int]:
+        """What ends the model's turn ``turn_ids``: the template's close, less its first token when the model
+        sampled that token itself."""
         close = self.close_ids
         if close and turn_ids and turn_ids[-1] == close[0]:
-            close = close[1:]
-        return close + self._ids(self.messages_text(messages))
+            return close[1:]
+        return close
 
     def messages_text(self, messages: list[dict]) -> str:
         """The template's text of ``messages`` and the next generation prompt (after the end of the
