@@ -15,6 +15,7 @@ the same order as the shards above) and hands it to the controller, which gives 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,9 @@ class PromptDataModule(pl.LightningDataModule):
     shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
     seed: Seed of the shuffle; ``None`` follows ``seed_everything``.
     num_workers: Data-loader worker processes.
+    val_path: A held-out JSON-lines file for a stage's validation (``trainer.val_check_interval``).
+    val_task: A built-in task generating the held-out rows (give it another seed than ``task``'s).
+    val_batch_size: Held-out rows per data-parallel rank per validation batch.
     """
 
     def __init__(
@@ -147,10 +151,19 @@ class PromptDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int | None = None,
         num_workers: int = 0,
+        val_path: str | None = None,
+        val_task: Task | None = None,
+        val_batch_size: int = 64,
     ) -> None:
         super().__init__()
         if path is not None and task is not None:
             raise ValueError("`data.path` and `data.task` are both set; choose one source of prompts.")
+        if val_path is not None and val_task is not None:
+            raise ValueError("`data.val_path` and `data.val_task` are both set; choose one held-out set.")
+        if val_path is not None and not Path(val_path).is_file():
+            raise FileNotFoundError(f"`data.val_path`: {val_path} does not exist.")
+        if val_batch_size < 1:
+            raise ValueError(f"`data.val_batch_size` must be >= 1, got {val_batch_size}.")
         if batch_size < 1:
             raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}.")
         if path is not None and not Path(path).is_file():
@@ -162,13 +175,15 @@ class PromptDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.seed = resolve_seed(seed)
         self.num_workers = num_workers
+        self.val_path, self.val_task, self.val_batch_size = val_path, val_task, val_batch_size
         self.dataset: PromptDataset | None = None
 
-    def load_rows(self) -> list[dict]:
-        if self.path is not None:
-            rows = read_jsonl(Path(self.path), self.prompt_key)
+    def load_rows(self, path: str | None = None, task: Task | None = None) -> list[dict]:
+        path, task = (path, task) if path is not None or task is not None else (self.path, self.task)
+        if path is not None:
+            rows = read_jsonl(Path(path), self.prompt_key)
         else:
-            rows = [dict(r, _source=f"{type(self.task).__name__} row {i}") for i, r in enumerate(self.task.rows())]
+            rows = [dict(r, _source=f"{type(task).__name__} row {i}") for i, r in enumerate(task.rows())]
         for i, row in enumerate(rows):
             row["_id"] = i
         return rows
@@ -225,6 +240,24 @@ class PromptDataModule(pl.LightningDataModule):
             collate_fn=_identity,
             num_workers=self.num_workers,
         )
+
+    @override
+    def val_dataloader(self) -> list:
+        """The held-out rows, in order, each data-parallel rank its share (a stage's validation); none without
+        ``val_path`` or ``val_task``."""
+        if self.val_path is None and self.val_task is None:
+            warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")  # none is asked
+            return []
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        replicas, rank = self.shard()
+        dataset = PromptDataset(self.load_rows(self.val_path, self.val_task))
+        if len(dataset) < replicas:
+            raise ValueError(
+                f"the held-out set has {len(dataset)} rows, fewer than the {replicas} data-parallel ranks."
+            )
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
+        return StatefulDataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler, collate_fn=_identity)
 
     @override
     def on_after_batch_transfer(self, batch: list, dataloader_idx: int) -> list[dict]:

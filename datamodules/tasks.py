@@ -64,6 +64,29 @@ class AlphabetTask(Task):
         yield ". , : ? ! - + ="
 
 
+class AlphabetPairsTask(AlphabetTask):
+    """Preference pairs of the alphabet task: rows ``{"prompt": "after f", "chosen": "g h i j", "rejected": ...}``,
+    the rejected answer the right one with one letter wrong (a near miss), for a DPO stage.
+
+    Args:
+        num_rows: How many rows the task yields.
+        answer_len: How many letters each answer holds.
+        seed: Seed of the row generator (a held-out set: another seed).
+    """
+
+    def rows(self) -> list[dict]:
+        rng = random.Random(self.seed)
+        rows = []
+        for _ in range(self.num_rows):
+            row = self.row(rng.choice(LETTERS))
+            letters = row["answer"].split()
+            k = rng.randrange(len(letters))  # one letter wrong: a near miss, not noise
+            letters[k] = rng.choice([c for c in LETTERS if c != letters[k]])
+            rejected = " ".join(letters)
+            rows.append({"prompt": row["prompt"], "chosen": row.pop("answer"), "rejected": rejected})
+        return rows
+
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230), "yellow": (240, 220, 40)}
 
 
@@ -186,5 +209,6 @@ class GuessTask(Task):
 
     def rows(self) -> list[dict]:
         rng = random.Random(self.seed)
-        return [{"prompt": f"guess 0 to {self.high}", "secret": rng.randint(0, self.high)} for _ in range(self.num_rows)]
-
+        return [
+            {"prompt": f"guess 0 to {self.high}", "secret": rng.randint(0, self.high)} for _ in range(self.num_rows)
+        ]

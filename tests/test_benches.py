@@ -34,6 +34,8 @@ LAST_LINE = {
     "learning.py": r"learning_min_margin=(?P<margin>\S+)",
     "multimodal_controller.py": r"rank0_peak_mem_growth=(?P<parallel>\S+) single_controller_growth=(?P<single>\S+)",
     "placement.py": r"partial_over_full=(?P<ratio>\S+)",
+    "stages.py": r"sft_loss_drop=(?P<sft>\S+) rl_steps_to_half_from_sft=(?P<from_sft>\d+) rl_steps_to_half_from_scratch=\S+ "
+    r"dpo_heldout_accuracy=(?P<dpo>\S+) distill_kl_drop=(?P<kl>\S+) distill_reward_gap=\S+",
     "step_efficiency.py": r"rollout_over_bare_vllm=(?P<r>\S+) train_over_bare_megatron=(?P<t>\S+) overhead_share=(?P<o>\S+)",
     "step_breakdown.py": r"rollout=\S+ sync=\S+ reward=\S+ train=(?P<train>\S+) other=\S+ peak_rss_gb_max=(?P<rss>\S+)",
 }
@@ -79,6 +81,8 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "placement.py":  # 1 step: noisy, but a partial placement that serialised (or waited out a
         # timeout) on its judge would be far outside this
         assert 0.2 < f["ratio"] < 5
+    elif name == "stages.py":  # SFT 20 steps, its export loaded by GRPO (Megatron and vLLM), DPO 10, distillation 15
+        assert f["sft"] >= 0.5 and f["from_sft"] == 1 and f["dpo"] >= 0.8 and f["kl"] > 0.1
     elif name == "step_efficiency.py":  # one measured step of 16 tokens: only the sense of the figures holds
         assert f["r"] > 0.5 and f["t"] > 0.5 and 0 <= f["o"] < 1
     elif name == "step_breakdown.py":

@@ -216,14 +216,16 @@ class ReinforcePlusPlus(AdvantageEstimator):
 
     Args:
         group_baseline: Subtract the group's mean reward first (REINFORCE++-baseline; needs n >= 2).
-        gamma: Discount of the per-token returns (1 = none, as in the paper's LLM setting).
+        gamma: Discount of the per-token returns (1 = none, as in the paper's LLM setting; 0 = each token's
+            own reward, the per-token advantage of on-policy distillation, where a return summed over the
+            completion would reward short completions for holding fewer tokens' KL).
         eps: Added to the variance before the square root.
     """
 
     def __init__(self, group_baseline: bool = False, gamma: float = 1.0, eps: float = 1e-8) -> None:
         _check_eps(eps)
-        if not 0 < gamma <= 1:
-            raise ValueError(f"`model.advantage_estimator.gamma` must be in (0, 1], got {gamma}.")
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"`model.advantage_estimator.gamma` must be in [0, 1], got {gamma}.")
         self.group_baseline = group_baseline
         self.gamma = gamma
         self.eps = eps

@@ -26,9 +26,17 @@ def check_run(model, datamodule, trainer) -> None:
     check_layout(arch, strategy, trainer)
     check_weights(path)
     tokenizer = load_tokenizer(path)
-    if not hasattr(model, "sampling"):  # a stage without a rollout (SFT): its own checks run at construction
+    if not hasattr(model, "sampling"):  # a stage without a rollout (SFT, DPO): its rows, as it will read them
         check_writable(trainer)
+        if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
+            model.check_rows(path, datamodule.load_rows())
+            held_out = getattr(datamodule, "val_path", None), getattr(datamodule, "val_task", None)
+            if held_out != (None, None):
+                model.check_rows(path, datamodule.load_rows(*held_out))
         return
+    for fn in getattr(model, "reward_functions", []):
+        if hasattr(fn, "check_student"):  # a teacher (on-policy distillation): the student's vocabulary
+            fn.check_student(path)
     longest = model.max_prompt_tokens + model.sampling.max_new_tokens
     if getattr(model, "agent", None) is not None:  # an episode's length is the agent's budget
         check_agent(model, strategy, tokenizer, path)

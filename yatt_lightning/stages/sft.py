@@ -1,41 +1,47 @@
-"""Supervised fine-tuning on the same Megatron policy, strategy, checkpoints and CLI as RL (issue 24, WIP).
+"""Supervised fine-tuning on the same Megatron policy, strategy, checkpoints and CLI as RL.
 
-``SFTModule`` trains the policy on (prompt, completion) rows: the prompt is rendered as the RL step renders
-it (:mod:`yatt_lightning.chat`), the completion follows it (with the chat template's end of the assistant
-turn, or the tokenizer's end-of-text token), and the loss is the completion tokens' negative log-likelihood,
-averaged per token over the whole global batch (Megatron divides by the tokens summed over micro-batches
-and data-parallel ranks), so it is the same under any layout. No rollout engine starts.
+``SFTModule`` trains the policy on prompt-completion rows or chat rows (:mod:`yatt_lightning.stages.base`):
+the loss is the negative log-likelihood of the tokens under the loss mask, averaged per token over the whole
+global batch (Megatron divides by the tokens summed over micro-batches and data-parallel ranks), so it is the
+same under any layout. Micro-batches hold ``micro_batch_size`` sequences, or, with ``micro_batch_tokens``,
+as many as fit that many padded tokens (:func:`~yatt_lightning.training.packing.pack_by_tokens`). With a
+held-out set in the data module (``data.val_path`` / ``data.val_task``) and Lightning's
+``trainer.val_check_interval``, ``sft/val_loss`` is logged before training (Lightning's sanity check, with
+``trainer.num_sanity_val_steps: -1``) and every so many steps. No rollout engine starts.
 """
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import Literal
+
 import torch
 from typing_extensions import override
 
-from yatt_lightning.chat import PromptFormat
-from yatt_lightning.distributed.seeding import resolve_seed
 from yatt_lightning.models.logprobs import token_logprobs
-from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
-from yatt_lightning.training.batch import MicroBatch, TrainingBatch, TrainingSamples
+from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.stages.base import PolicyStage, Sequence
+from yatt_lightning.training.batch import MicroBatch, TrainingBatch
 from yatt_lightning.training.optim import OptimizerSettings
-from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
+from yatt_lightning.training.packing import pack_by_tokens
 
 
-class SFTModule(pl.LightningModule):
+class SFTModule(PolicyStage):
     """Args:
-    policy: The model to fine-tune (a Hugging Face folder).
+    policy: The model to fine-tune (a Hugging Face folder, an exported checkpoint of any stage).
     optimizer: Optimizer settings.
-    target: The row's field holding the completion to learn.
+    target: The row's field holding the completion to learn; a chat row without it is learnt on its
+        assistant turns.
     target_prefix: Put before the target's text (a space after a plain-text prompt, say).
-    micro_batch_size: Sequences per forward/backward micro-batch.
-    max_seq_tokens: Longest sequence (prompt and completion); a longer one's completion is cut to fit.
+    micro_batch_size: Sequences per forward/backward micro-batch (without ``micro_batch_tokens``).
+    micro_batch_tokens: Padded tokens per micro-batch: sequences are packed to this budget, longest first.
+    max_seq_tokens: Longest sequence (prompt and completion).
+    on_overlong: A longer sequence: ``cut`` (counted in ``sft/cut``) or ``refuse``.
     apply_chat_template: Render prompts with the tokenizer's chat template when it has one.
     system_prompt: A system message in front of every prompt (needs a chat template).
     seed: Seed (``None`` follows ``seed_everything``).
     """
 
-    needs_engine = False  # the strategy starts no rollout engine for this stage
+    name = "sft"
 
     def __init__(
         self,
@@ -44,90 +50,68 @@ class SFTModule(pl.LightningModule):
         target: str = "completion",
         target_prefix: str = "",
         micro_batch_size: int = 32,
+        micro_batch_tokens: int | None = None,
         max_seq_tokens: int = 256,
+        on_overlong: Literal["cut", "refuse"] = "cut",
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int | None = None,
     ) -> None:
-        super().__init__()
-        for key, value in (("micro_batch_size", micro_batch_size), ("max_seq_tokens", max_seq_tokens)):
-            if value < 1:
-                raise ValueError(f"`model.{key}` must be >= 1, got {value}.")
-        self.automatic_optimization = False
-        self.policy_spec, self.optimizer_settings = policy, optimizer
-        self.target, self.target_prefix = target, target_prefix
-        self.micro_batch_size, self.max_seq_tokens = micro_batch_size, max_seq_tokens
-        self.apply_chat_template, self.system_prompt = apply_chat_template, system_prompt
-        self.seed = resolve_seed(seed)
-        self.policy = None
-        self.tokenizer = None
-        self.prompt_format: PromptFormat | None = None
-        self.cut = 0  # completions cut to fit max_seq_tokens, over the run
-
-    @override
-    def configure_model(self) -> None:
-        if self.policy is not None:
-            return
-        from yatt_lightning.agents.turn_tokens import TurnTokens
-        from yatt_lightning.models.policy import MegatronPolicy
-
-        path = self.policy_spec.resolve()
-        self.model_path = path
-        self.tokenizer = policy_tokenizer(path)
-        self.prompt_format = PromptFormat.of(
-            path, self.tokenizer, apply_chat_template=self.apply_chat_template, system_prompt=self.system_prompt
-        )
-        turns = TurnTokens(self.tokenizer, chat=self.prompt_format.chat_template is not None)
-        self.end_ids = turns.close_ids if turns.chat else [self.tokenizer.eos_token_id]
-        self.policy = MegatronPolicy(path, params_dtype=self.policy_spec.torch_dtype(), optimizer=self.optimizer_settings,
-                                     seed=self.seed)  # fmt: skip
-
-    @override
-    def configure_optimizers(self) -> MegatronOptimizerAdapter:
-        return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
-
-    def sample(self, row: dict) -> tuple[list[int], list[int]]:
-        """The row's prompt ids and completion ids (cut to fit ``max_seq_tokens``)."""
-        prompt = self.prompt_format.ids(row)
-        if self.target not in row:
-            raise ValueError(f"{row.get('_source', 'a row')}: no {self.target!r} field to learn (`model.target`).")
-        completion = self.tokenizer(self.target_prefix + str(row[self.target]), add_special_tokens=False)["input_ids"]
-        completion = list(completion) + list(self.end_ids)
-        room = self.max_seq_tokens - len(prompt)
-        if room < 1:
+        super().__init__(policy, optimizer, max_seq_tokens, on_overlong, apply_chat_template, system_prompt, seed)
+        if micro_batch_size < 1:
+            raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}.")
+        if micro_batch_tokens is not None and micro_batch_tokens < max_seq_tokens:
             raise ValueError(
-                f"prompt of {len(prompt)} tokens ({row.get('_source', 'a row')}) leaves no room within "
-                f"`model.max_seq_tokens`={self.max_seq_tokens}."
+                f"`model.micro_batch_tokens`={micro_batch_tokens} must hold at least one sequence of "
+                f"`model.max_seq_tokens`={max_seq_tokens}."
             )
-        if len(completion) > room:
-            completion, self.cut = completion[:room], self.cut + 1
-        return prompt, completion
+        self.target, self.target_prefix = target, target_prefix
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
+        self.val_sums = [0.0, 0.0]
+
+    @override
+    def sequences(self, rows: list[dict]) -> list[Sequence]:
+        return [self.sequence(row, self.target, self.target_prefix) for row in rows]
+
+    def batch_microbatches(self, rows: list[dict]) -> list[MicroBatch]:
+        seqs = self.sequences(rows)
+        batch = TrainingBatch(self.samples(seqs))
+        if self.micro_batch_tokens is not None:
+            chunks = pack_by_tokens(batch.samples.sequence_lengths(), self.micro_batch_tokens, overhead_tokens=0)
+        else:
+            n, size = len(seqs), self.micro_batch_size
+            chunks = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        return self.microbatches(batch, chunks)
 
     @override
     def training_step(self, batch: list[dict], batch_idx: int) -> None:
-        pairs = [self.sample(row) for row in batch]
-        samples = TrainingSamples(
-            [p for p, _ in pairs], [c for _, c in pairs], [torch.zeros(len(c)) for _, c in pairs], [None] * len(pairs)
-        )
-        mbs = TrainingBatch(samples).microbatches(list(range(len(pairs))), self.micro_batch_size,
-                                                  self.tokenizer.pad_token_id)  # fmt: skip
+        mbs = self.batch_microbatches(batch)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         outputs = self.policy.forward_backward(mbs, _nll, forward_only=False)
         optimizer.step()
-        nll = sum(float(o["nll"]) for o in outputs)
-        tokens = sum(float(o["tokens"]) for o in outputs)
-        totals = torch.tensor([nll, tokens], dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(totals)
-        loss = float(totals[0] / max(totals[1], 1.0))
-        self.log_dict({"sft/loss": loss, "sft/tokens": float(totals[1]), "sft/grad_norm": optimizer.last_grad_norm,
-                       "sft/cut": float(self.cut)}, prog_bar=False, rank_zero_only=True)  # fmt: skip
-        return None
+        nll, tokens = self.all_reduce_sums([sum(float(o[k]) for o in outputs) for k in ("nll", "tokens")])
+        self.log_dict({"sft/loss": nll / max(tokens, 1.0), "sft/tokens": tokens, "sft/micro_batches": float(len(mbs)),
+                       "sft/grad_norm": optimizer.last_grad_norm, "sft/cut": float(self.cut)},
+                      prog_bar=False, rank_zero_only=True)  # fmt: skip
+
+    @override
+    def validation_step(self, batch: list[dict], batch_idx: int) -> None:
+        outputs = self.policy.forward_backward(self.batch_microbatches(batch), _nll, forward_only=True)
+        for k, key in enumerate(("nll", "tokens")):
+            self.val_sums[k] += sum(float(o[key]) for o in outputs)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        nll, tokens = self.all_reduce_sums(self.val_sums)
+        self.val_sums = [0.0, 0.0]
+        if self.trainer.is_global_zero:  # logged during the sanity check too: the loss before training
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"sft/val_loss": nll / max(tokens, 1.0)}, step=self.trainer.global_step)
 
 
 def _nll(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The completion tokens' negative log-likelihood, summed; Megatron divides by the tokens."""
+    """The masked tokens' negative log-likelihood, summed; Megatron divides by the tokens."""
     logprobs = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], 1.0)
     mask = mb.loss_mask
     loss = -(logprobs * mask).sum()
