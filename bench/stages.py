@@ -18,7 +18,7 @@ from its TensorBoard file:
 
     python bench/stages.py [--smoke]
 
-``--smoke`` (tests/test_benches.py): SFT 20 steps, GRPO from SFT 2 steps, DPO 10 steps, distillation 15
+``--smoke`` (tests/test_benches.py): SFT 40 steps, GRPO from SFT 2 steps, DPO 10 steps, distillation 25
 steps; no GRPO from scratch and no teacher run (printed as ``skipped``).
 """
 
@@ -67,7 +67,7 @@ def main() -> None:
     smoke = pop_smoke(sys.argv)
     work = Path(tempfile.mkdtemp(prefix="yatt-stages-"))
     steps = (
-        {"sft": 20, "rl": 2, "dpo": 10, "distill": 15} if smoke else {"sft": 60, "rl": 100, "dpo": 30, "distill": 100}
+        {"sft": 40, "rl": 2, "dpo": 10, "distill": 25} if smoke else {"sft": 60, "rl": 100, "dpo": 30, "distill": 100}
     )
     sft = fit("sft_tiny", work / "sft", "--trainer.max_steps", str(steps["sft"]))
     val = sft["sft/val_loss"]
@@ -83,6 +83,8 @@ def main() -> None:
         scratch = fit("grpo_tiny", work / "rl_scratch", *rl, str(steps["rl"]))
         scratch_steps = steps_to(scratch["reward/mean"], 0.5)
     print(f"GRPO mean reward at step 1: {from_sft['reward/mean'][0]:.3f} from SFT")
+    # vLLM's logprobs of its samples against the Megatron policy's, both loaded from the SFT checkpoint's export
+    print(f"sft_export_engine_vs_policy_logprob_diff={from_sft['rollout/logprob_diff_max'][0]:.2e}")
     dpo = fit("dpo_tiny", work / "dpo", "--trainer.max_steps", str(steps["dpo"]), "--trainer.val_check_interval",
               str(steps["dpo"]))  # fmt: skip
     acc = dpo["dpo/val_accuracy"]

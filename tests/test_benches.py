@@ -81,8 +81,8 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "placement.py":  # 1 step: noisy, but a partial placement that serialised (or waited out a
         # timeout) on its judge would be far outside this
         assert 0.2 < f["ratio"] < 5
-    elif name == "stages.py":  # SFT 20 steps, its export loaded by GRPO (Megatron and vLLM), DPO 10, distillation 15
-        assert f["sft"] >= 0.5 and f["from_sft"] == 1 and f["dpo"] >= 0.8 and f["kl"] > 0.1
+    elif name == "stages.py":  # SFT 40 steps, its export loaded by GRPO (Megatron and vLLM), DPO 10, distillation 25
+        assert f["sft"] >= 0.5 and f["from_sft"] == 1 and f["dpo"] >= 0.8 and f["kl"] > 0.15
     elif name == "step_efficiency.py":  # one measured step of 16 tokens: only the sense of the figures holds
         assert f["r"] > 0.5 and f["t"] > 0.5 and 0 <= f["o"] < 1
     elif name == "step_breakdown.py":
@@ -106,5 +106,8 @@ def test_bench_runs_at_its_smoke_size(name, tmp_path):
         # little of an async save's work (0.11-0.13 here, quiet or beside two burned cores; ~1 if it wrote inline)
         share = re.search(r"^main_thread_share=(\S+)$", proc.stdout, re.M)
         assert share and float(share.group(1)) < 0.5, proc.stdout[-2000:]
+    if name == "stages.py":  # vLLM and Megatron, both loading the SFT checkpoint's export, give the same logprobs
+        diff = re.search(r"^sft_export_engine_vs_policy_logprob_diff=(\S+)$", proc.stdout, re.M)
+        assert diff and float(diff.group(1)) < 1e-3, proc.stdout[-2000:]
     if name == "async_rl.py":  # lag 0 never ran ahead, lag 1 did (by exactly one version), colocated has no lag
         assert "lag0_staleness_max=0 lag1_staleness_max=1 colocated_staleness_max=0" in proc.stdout.splitlines()

@@ -109,7 +109,11 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_start(tmp_path, chat_
 
     with pytest.raises(ValueError, match=r"different vocabularies \(320 and \d+ entries\)"):
         TeacherKL(teacher=str(chat_folder)).check_student(tiny_model_path)
-    config = (REPO / "configs" / "distill_tiny.yaml").read_text().replace("teacher: builtin:tiny-qwen2-sft\n", f"teacher: {chat_folder}\n")
+    config = (
+        (REPO / "configs" / "distill_tiny.yaml")
+        .read_text()
+        .replace("teacher: builtin:tiny-qwen2-sft\n", f"teacher: {chat_folder}\n")
+    )
     (tmp_path / "distill.yaml").write_text(config)
     code, err = yatt_in_process(["fit", "--config", "distill.yaml"], cwd=tmp_path)
     assert code == 2 and "different vocabularies" in err and len(err.strip().splitlines()) <= 10, err
@@ -237,3 +241,27 @@ def test_the_teacher_scores_each_token_with_minus_the_reverse_kl(tiny_model_path
     assert torch.allclose(
         flat, (torch.tensor([1.0, -2.0, 3.0]) - 2 / 3) / torch.tensor([1.0, -2.0, 3.0]).std(unbiased=False), atol=1e-5
     )
+
+
+def test_micro_batches_by_token_budget_hold_whole_sequences_within_it(tiny_model_path):
+    sft = _stage(
+        SFTModule, tiny_model_path, target="answer", target_prefix=" ", micro_batch_tokens=64, max_seq_tokens=32
+    )
+    rows = [{"prompt": "after a", "answer": " ".join("bcdefghijklmnop"[: 1 + k % 12])} for k in range(24)]
+    batch = sft.samples(sft.sequences(rows))
+    from yatt_lightning.training.batch import TrainingBatch
+    from yatt_lightning.training.packing import pack_by_tokens
+
+    plan = pack_by_tokens(batch.sequence_lengths(), 64, overhead_tokens=0)
+    mbs = sft.microbatches(TrainingBatch(batch), plan)
+    assert sorted(i for mb in mbs for i in mb.sample_index.tolist()) == list(range(24))
+    assert all(mb.input_ids.numel() <= 64 for mb in mbs) and len(mbs) > 1
+
+
+def test_a_preference_file_row_without_rejected_stops_the_cli_before_start(tmp_path):
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "after a", "chosen": "b", "rejected": "c"}\n'
+                                          '{"prompt": "after b", "chosen": "c"}\n' * 40)  # fmt: skip
+    code, err = yatt_in_process(["fit", "--config", str(CONFIGS["dpo"]), "--data.init_args.task", "null",
+                                 "--data.init_args.path", "pairs.jsonl"], cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "pairs.jsonl:2: a preference row needs `chosen` and `rejected`" in err, err
+    assert len(err.strip().splitlines()) <= 10, err
