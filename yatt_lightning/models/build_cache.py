@@ -44,7 +44,12 @@ def build_once(out: Path, write: Callable[[Path], None]) -> Path:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.incomplete-{stamp}-", dir=out.parent))
             os.replace(out, aside)  # onto the empty folder just made: a name no other build takes
-            log.warning("built-in model folder %s is incomplete (%s): moved it aside to %s; building it again", out, problem, aside)
+            log.warning(
+                "built-in model folder %s is incomplete (%s): moved it aside to %s; building it again",
+                out,
+                problem,
+                aside,
+            )
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
             write(tmp)

@@ -31,4 +31,3 @@ class HFNames:
         if self.vision_language:
             return list(vlm.export_names(name, full, self.arch, self.layer_offset, grouped))
         return convert.megatron_to_hf(name, full, self.arch, self.layer_offset, grouped)
-

@@ -42,7 +42,9 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return z.log() - weighted / z
 
 
-def sample_logprobs(model, microbatches: list[MicroBatch], n_samples: int, temperature: float) -> list[torch.Tensor] | None:
+def sample_logprobs(
+    model, microbatches: list[MicroBatch], n_samples: int, temperature: float
+) -> list[torch.Tensor] | None:
     """Per-sample completion-token logprobs of ``microbatches`` (from ``TrainingBatch.microbatches``) under
     ``model`` (a ``MegatronPolicy``, forward only); ``None`` on pipeline stages other than the last."""
     return per_sample_forward(

@@ -9,7 +9,6 @@ its weights under Hugging Face names for the rollout engine.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -22,6 +21,7 @@ from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
+from yatt_lightning.models.hf_weights import load_hf_weights, safetensors_reader
 from yatt_lightning.models.one_storage import into_one_storage
 from yatt_lightning.training.optim import OptimizerSettings
 
@@ -36,6 +36,8 @@ class MegatronPolicy(torch.nn.Module):
         a scalar value per position instead of logits. It is never exported to an engine.
     one_storage: Keep the trained parameters in one storage per dtype (a disaggregated trainer's publish
         sends them as they are, in one message; a checkpoint then writes each as a copy of its view).
+    lora: Train low-rank adapters on the frozen weights instead of the weights
+        (:class:`~yatt_lightning.models.lora.LoRASettings`).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class MegatronPolicy(torch.nn.Module):
         seed: int = 0,
         value_head: bool = False,
         one_storage: bool = False,
+        lora: Any = None,
     ) -> None:
         super().__init__()
         from megatron.core import parallel_state as ps
@@ -82,7 +85,7 @@ class MegatronPolicy(torch.nn.Module):
             )  # fmt: skip
             self.layer_offset = get_transformer_layer_offset(self.config)
             self.hf_names = HFNames(self.arch, self.vision_language, self.layer_offset)
-            get = _safetensors_reader(self.path)
+            get = safetensors_reader(self.path)
             reader = vlm.text_reader(get) if self.vision_language else get
             load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
             if value_head:
@@ -95,6 +98,13 @@ class MegatronPolicy(torch.nn.Module):
 
                 gpt = VisionLanguageModel(hf_config, gpt, pre_process=self.is_first_stage)
                 vlm.load_vision_weights(gpt, get)
+            self.lora, self.lora_params = lora, 0
+            if lora is not None:  # the weights frozen, adapters on the language model's linear layers
+                from yatt_lightning.models import lora as adapters
+
+                gpt.requires_grad_(False)
+                language = gpt.language_model if self.vision_language else gpt
+                self.lora_params = adapters.attach(language, lora, self.arch, self.tp_rank, tp, self.layer_offset, seed)
             if torch.cuda.is_available():
                 gpt.cuda(torch.cuda.current_device())
             if optimizer is None:
@@ -229,7 +239,7 @@ class MegatronPolicy(torch.nn.Module):
         tensors = [] if not params else [b for b in buffers if b is not None] + list(self.model.parameters())
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(opt, "optimizer", None)
-            for state in (inner.state.values() if inner is not None else []):
+            for state in inner.state.values() if inner is not None else []:
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
         for t in tensors:
             key = id(t)
@@ -250,18 +260,28 @@ class MegatronPolicy(torch.nn.Module):
 
         Collective over the model-parallel group: every rank of it must iterate to the end.
         """
+        yield from self._across_stages(self._export_stage)
+
+    @torch.no_grad()
+    def export_adapter(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters under PEFT's names as full tensors (TP shards gathered, every stage's broadcast
+        to the pipeline group); collective over the model-parallel group, as :meth:`export_hf`."""
+        yield from self._across_stages(self._adapter_stage)
+
+    def _across_stages(self, stage_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
+        """``stage_tensors()`` of every pipeline stage, on every rank of the pipeline group, stage by stage."""
         from megatron.core import parallel_state as ps
 
         pp = ps.get_pipeline_model_parallel_world_size()
         if pp == 1:
-            yield from self._export_stage()
+            yield from stage_tensors()
             return
         group = ps.get_pipeline_model_parallel_group()
         ranks = torch.distributed.get_process_group_ranks(group)
         mine = ps.get_pipeline_model_parallel_rank()
         device = next(self.local_module().parameters()).device
         for stage in range(pp):
-            tensors = [(n, t.contiguous()) for n, t in self._export_stage()] if stage == mine else None
+            tensors = [(n, t.contiguous()) for n, t in stage_tensors()] if stage == mine else None
             meta = [[(n, t.shape, t.dtype) for n, t in tensors] if tensors is not None else None]
             torch.distributed.broadcast_object_list(meta, src=ranks[stage], group=group)
             for i, (name, shape, dtype) in enumerate(meta[0]):
@@ -275,6 +295,8 @@ class MegatronPolicy(torch.nn.Module):
 
         group = ps.get_tensor_model_parallel_group()
         for name, param in self.local_module().named_parameters():
+            if ".lora." in name:  # adapters: export_adapter
+                continue
             local = param.detach()
             if self.tp > 1 and convert.tp_split_dim(name) is not None:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
@@ -283,6 +305,23 @@ class MegatronPolicy(torch.nn.Module):
             else:
                 full = local
             yield from self.hf_names(name, full)
+
+    def _adapter_stage(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's adapters under PEFT's names, gathered over the TP group."""
+        from megatron.core import parallel_state as ps
+
+        from yatt_lightning.models import lora
+
+        for name, param in self.local_module().named_parameters():
+            if not lora.is_lora(name):
+                continue
+            local, proj_which = param.detach(), name.rsplit(".", 1)[-1].rsplit("_", 1)
+            dim = lora.split_dim(*proj_which)
+            if self.tp > 1 and dim is not None:
+                shards = [torch.empty_like(local) for _ in range(self.tp)]
+                torch.distributed.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+                local = torch.cat(shards, dim=dim)
+            yield lora.peft_name(name.removeprefix("language_model."), self.layer_offset, self.vision_language), local
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's parameters under their Megatron names, as views (no copy); with TP = PP = 1, what
@@ -328,64 +367,3 @@ def _wrap_for_training(gpt, config, settings: OptimizerSettings) -> tuple[Any, A
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
-
-
-def load_hf_weights(
-    gpt: torch.nn.Module,
-    get: Callable[[str], torch.Tensor],
-    arch: HFArch,
-    tp_rank: int,
-    tp: int,
-    layer_offset: int,
-    source: Path,
-) -> None:
-    """Copy this rank's shards of the Hugging Face checkpoint read by ``get(hf name)`` into ``gpt``.
-
-    Also tags each parameter as TP-sharded or replicated. Megatron-Core tags them only inside its
-    weight initialisers, which are skipped here (``perform_initialization=False``, the checkpoint
-    provides the values); untagged sharded weights would count as replicated in the gradient norm, so
-    clipping under TP > 1 would differ from TP = 1.
-    """
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    with torch.no_grad():
-        for name, param in gpt.named_parameters():
-            dim = convert.tp_split_dim(name)
-            if not hasattr(param, "tensor_model_parallel"):
-                set_tensor_model_parallel_attributes(param, dim is not None, -1 if dim is None else dim, 1)
-            full = convert.hf_to_megatron(name, get, arch, layer_offset)
-            part = convert.shard(name, full, tp_rank, tp)
-            if part.shape != param.shape:
-                raise ValueError(
-                    f"`model.policy.path`: {source}: tensor for {name} has shape {tuple(part.shape)} after TP "
-                    f"sharding, the model expects {tuple(param.shape)}; does config.json match the weights?"
-                )
-            param.copy_(part.to(param.dtype))
-
-
-def _safetensors_reader(folder: Path) -> Callable[[str], torch.Tensor]:
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        weight_map = None
-    else:
-        raise ValueError(
-            f"`model.policy.path`: {folder} has no model.safetensors (or index); only safetensors weights load."
-        )
-    handles: dict[str, object] = {}
-
-    def get(name: str) -> torch.Tensor:
-        file = weight_map.get(name) if weight_map is not None else "model.safetensors"
-        if file is None:
-            raise KeyError(f"`model.policy.path`: {folder} has no tensor {name!r}")
-        if file not in handles:
-            handles[file] = safe_open(str(folder / file), framework="pt")
-        try:
-            return handles[file].get_tensor(name)
-        except Exception as err:
-            raise KeyError(f"`model.policy.path`: {folder / file} has no tensor {name!r}") from err
-
-    return get

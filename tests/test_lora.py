@@ -1,0 +1,128 @@
+"""LoRA on the Megatron policy: adapters equal to PEFT's on the same base, frozen base weights, and TP=2 /
+PP=2 equal to one process (tier 1 one process over gloo, tier 2 two processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import spawn_gloo
+from tests.test_policy import megatron_world  # noqa: F401 (a fixture)
+from yatt_lightning.models.lora import LoRASettings
+
+
+def _policy(path, lora, lr=1e-2):
+    from yatt_lightning.models.policy import MegatronPolicy
+    from yatt_lightning.training.optim import OptimizerSettings
+
+    return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=1.0), lora=lora, seed=3)
+
+
+def _nll(mb, logits):
+    from yatt_lightning.models.logprobs import token_logprobs
+
+    ids = mb["input_ids"]
+    lp = token_logprobs(logits[:, :-1], ids[:, 1:], 1.0)  # vocab-parallel logits under TP
+    return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {"nll": -lp.sum().detach()}
+
+
+def _train(policy, steps=3) -> list[float]:
+    """``steps`` optimizer steps on fixed sequences; the loss of each (per token)."""
+    ids = torch.randint(3, 290, (4, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for step in range(steps):
+        policy.zero_grad_buffers()
+        out = policy.forward_backward([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], _nll, forward_only=False)
+        policy.optimizer_step(step)
+        losses.append(sum(float(o["nll"]) for o in out) / (4 * 11) if out else float("nan"))
+    return losses
+
+
+def test_settings_name_the_key():
+    with pytest.raises(ValueError, match=r"`model.lora.target_modules`: \['qkv'\] is not a projection"):
+        LoRASettings(target_modules=["qkv"])
+    with pytest.raises(ValueError, match=r"`model.lora.rank` must be >= 1"):
+        LoRASettings(rank=0)
+    assert LoRASettings(target_modules=["v_proj", "q_proj"]).targets() == ["q_proj", "v_proj"]
+
+
+def test_adapters_give_peft_logits_and_train_only_themselves(megatron_world, tiny_model_path, tmp_path):  # noqa: F811
+    """Adapters with random B on every projection: the Megatron policy's logits equal transformers + PEFT loading
+    the exported adapter folder; after 3 optimizer steps the base weights are bitwise the same, the adapters moved,
+    and only they are trainable."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from yatt_lightning.models.lora import save_peft
+
+    settings = LoRASettings(rank=4, alpha=8)
+    policy = _policy(tiny_model_path, settings)
+    module = policy.local_module()
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora." in n for n in trainable)
+    assert policy.lora_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for n, p in module.named_parameters():
+            if n.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    base_before = {n: t.clone() for n, t in policy.export_hf()}
+    _train(policy)
+    assert all(torch.equal(t, base_before[n]) for n, t in policy.export_hf())
+    adapter = dict(policy.export_adapter())
+    assert len(adapter) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    save_peft(tmp_path / "adapter", adapter, settings, tiny_model_path)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                   tmp_path / "adapter")  # fmt: skip
+    ids = torch.randint(3, 290, (2, 10), generator=torch.Generator().manual_seed(5))
+    seen = []
+    policy.forward_backward([{"input_ids": ids}], lambda mb, lg: (seen.append(lg.detach()), (torch.zeros(()), torch.tensor(1), {}))[1],
+                           forward_only=True)  # fmt: skip
+    with torch.no_grad():
+        expected = hf(ids).logits
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)(ids).logits.detach()
+    assert (expected - plain).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def _layout_run(rank: int, port: int, queue, world: int, tp: int, pp: int, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from yatt_lightning.models.cpu import megatron_cpu_context
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    with megatron_cpu_context():
+        ps.initialize_model_parallel(tp, pp)
+    policy = _policy(path, LoRASettings(rank=4, alpha=8, target_modules="all-linear"))
+    losses = _train(policy)
+    adapter = {n: t.numpy().copy() for n, t in policy.export_adapter()}  # by value: the process ends next
+    queue.put((rank, (losses, adapter, policy.lora_params)))
+
+
+def _spawn(world, tp, pp, path):
+    import functools
+
+    return spawn_gloo(
+        functools.partial(_layout_run, world=world, tp=tp, pp=pp, path=str(path)), world=world, timeout=240
+    )
+
+
+@pytest.mark.distributed
+def test_tp2_and_pp2_equal_one_process(tiny_model_path):
+    """3 optimizer steps of every projection's adapters: TP=2 and PP=2 reach one process's losses and adapter
+    weights within 1e-5 (B starts at zero, so the steps move both A and B)."""
+    one = _spawn(1, 1, 1, tiny_model_path)[0]
+    for tp, pp in ((2, 1), (1, 2)):
+        runs = _spawn(2, tp, pp, tiny_model_path)
+        losses = runs[1][0] if pp == 2 else runs[0][0]  # the last stage computes the loss
+        assert losses == pytest.approx(one[0], abs=1e-5), (tp, pp, losses, one[0])
+        adapter = runs[0][1]
+        assert adapter.keys() == one[1].keys()
+        worst = max(abs(adapter[k] - one[1][k]).max() for k in adapter)
+        assert worst < 1e-5, (tp, pp, worst)
+        if pp == 2:  # each stage holds its layers' adapters
+            assert runs[0][2] + runs[1][2] == one[2]
