@@ -126,3 +126,23 @@ def test_tp2_and_pp2_equal_one_process(tiny_model_path):
         assert worst < 1e-5, (tp, pp, worst)
         if pp == 2:  # each stage holds its layers' adapters
             assert runs[0][2] + runs[1][2] == one[2]
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_syncs_the_adapter_or_merged_weights_exactly(tmp_path):
+    """configs/grpo_lora_tiny.yaml for 4 steps: the engine samples with the adapter it received after each
+    update (its logprobs equal the policy's within 1e-3 while the adapters move); with `lora.merge` it receives
+    merged weights instead, equally exact. Both sample the same first step (the adapters start at zero)."""
+    from tests.helpers import REPO, read_scalars, yatt
+
+    runs = {}
+    for merge in ("false", "true"):
+        root = tmp_path / f"merge-{merge}"
+        yatt(["fit", "--config", str(REPO / "configs" / "grpo_lora_tiny.yaml"), "--trainer.max_steps", "4",
+              "--model.init_args.lora.merge", merge, "--trainer.default_root_dir", str(root)], cwd=tmp_path)  # fmt: skip
+        runs[merge] = read_scalars(root)
+    for merge, s in runs.items():
+        assert max(v for _, v in s["rollout/logprob_diff_max"]) < 1e-3, merge
+        assert len(s["reward/mean"]) == 4
+    assert runs["false"]["reward/mean"][0] == runs["true"]["reward/mean"][0]
+    assert [v for _, v in runs["false"]["actor/entropy"]][-1] != [v for _, v in runs["false"]["actor/entropy"]][0]

@@ -27,6 +27,7 @@ from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.distributed.seeding import resolve_seed
+from yatt_lightning.models.lora import LoRASettings
 from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
 from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
@@ -95,6 +96,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         seed: Seed of sampling and of mini-batch shuffling; ``None`` follows ``seed_everything``.
         agent: Multi-turn episodes in an environment (tools, games) instead of one completion per sample
             (:class:`~yatt_lightning.agents.Agent`); the environment's rewards are added as ``environment``.
+        lora: Train LoRA adapters on the frozen policy (:class:`~yatt_lightning.models.lora.LoRASettings`);
+            the engine receives only the adapter after each step (or, with ``merge``, merged weights).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         long_tail: LongTailPolicy = lazy_instance(WaitForAll),
         seed: int | None = None,
         agent: Agent | None = None,
+        lora: LoRASettings | None = None,
     ) -> None:
         super().__init__()
         for key, value, low in (
@@ -159,7 +163,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         if kl_in_reward and kl_coef == 0:
             raise ValueError("`model.kl_in_reward` is true but `model.kl_coef` is 0: set a coefficient > 0.")
         self.automatic_optimization = False
-        self.policy_spec = policy
+        self.policy_spec, self.lora = policy, lora
         rule = [] if agent is not None and reward_fn == ALPHABET else [RuleReward(reward_fn)]  # an agent's: its environment's
         self.reward_functions = list(rewards) if rewards else rule
         if agent is not None and not any(isinstance(fn, EnvironmentReward) for fn in self.reward_functions):
@@ -185,12 +189,9 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         correction = off_policy_correction.metric_names if off_policy_correction is not None else ()
         self.token_metrics = _TOKEN_METRICS + algorithm.extra_metrics + correction
         self.optimizer_settings = optimizer
-        self.ppo_epochs = ppo_epochs
-        self.mini_batches = mini_batches
-        self.micro_batch_size = micro_batch_size
+        self.ppo_epochs, self.mini_batches, self.micro_batch_size = ppo_epochs, mini_batches, micro_batch_size
         self.max_prompt_tokens = max_prompt_tokens
-        self.apply_chat_template = apply_chat_template
-        self.system_prompt = system_prompt
+        self.apply_chat_template, self.system_prompt = apply_chat_template, system_prompt
         self.log_samples = log_samples
         self.seed = resolve_seed(seed)
         self.policy = None
@@ -228,7 +229,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         dtype = self.policy_spec.torch_dtype()
         publishes = self.trainer.strategy.role == "train"  # a disaggregated trainer: sends its parameters as they are
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed,
-                                     one_storage=publishes)  # fmt: skip
+                                     one_storage=publishes, lora=self.lora)  # fmt: skip
         if self.kl_coef > 0:
             self.reference = MegatronPolicy(path, params_dtype=dtype, optimizer=None, seed=self.seed)
         if self.critic is not None:
@@ -278,7 +279,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         seqs = max(1, datamodule.batch_size * self.sampling.n) if datamodule is not None else 256
         dtype = str(self.policy_spec.torch_dtype()).removeprefix("torch.")
         longest = self.agent.max_total_tokens if self.agent else self.max_prompt_tokens + self.sampling.max_new_tokens
-        engine = EngineSpec(self.model_path, self.seed, seqs, longest, dtype)
+        lora_rank = self.lora.rank if self.lora is not None and not self.lora.merge else None  # the engine serves it
+        engine = EngineSpec(self.model_path, self.seed, seqs, longest, dtype, lora_rank)
         return RolloutSetup(
             self.policy, self.tokenizer, engine, self.reward_functions, self.long_tail, self.seed, self.critic_model
         )

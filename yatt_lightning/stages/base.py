@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from yatt_lightning.chat import PromptFormat, render
 from yatt_lightning.distributed.seeding import resolve_seed
+from yatt_lightning.models.lora import LoRASettings
 from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch, TrainingSamples
 from yatt_lightning.training.optim import OptimizerSettings
@@ -56,6 +57,7 @@ class PolicyStage(pl.LightningModule):
         apply_chat_template: Render prompts with the tokenizer's chat template when it has one.
         system_prompt: A system message in front of every prompt (needs a chat template).
         seed: Seed (``None`` follows ``seed_everything``).
+        lora: Train LoRA adapters on the frozen policy (:class:`~yatt_lightning.models.lora.LoRASettings`).
     """
 
     name = "stage"
@@ -70,6 +72,7 @@ class PolicyStage(pl.LightningModule):
         apply_chat_template: bool,
         system_prompt: str | None,
         seed: int | None,
+        lora: LoRASettings | None = None,
     ) -> None:
         super().__init__()
         if max_seq_tokens < 2:
@@ -81,6 +84,7 @@ class PolicyStage(pl.LightningModule):
         self.max_seq_tokens, self.on_overlong = max_seq_tokens, on_overlong
         self.apply_chat_template, self.system_prompt = apply_chat_template, system_prompt
         self.seed = resolve_seed(seed)
+        self.lora = lora
         self.policy = None
         self.tokenizer = None
         self.prompt_format: PromptFormat | None = None
@@ -96,7 +100,8 @@ class PolicyStage(pl.LightningModule):
         path = self.policy_spec.resolve()
         self.configure_tokens(path)
         dtype = self.policy_spec.torch_dtype()
-        self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed)
+        self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed,
+                                     lora=self.lora)  # fmt: skip
         self.build_frozen_models(path, dtype)
 
     def configure_tokens(self, path) -> None:

@@ -19,6 +19,7 @@ import torch
 from typing_extensions import override
 
 from yatt_lightning.models.logprobs import sample_logprobs, token_logprobs
+from yatt_lightning.models.lora import LoRASettings
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.stages.base import PolicyStage, Sequence
 from yatt_lightning.stages.preference import PairLogprobs, PreferenceLoss, SigmoidLoss
@@ -51,6 +52,7 @@ class DPOModule(PolicyStage):
     apply_chat_template: Render prompts with the tokenizer's chat template when it has one.
     system_prompt: A system message in front of every prompt (needs a chat template).
     seed: Seed (``None`` follows ``seed_everything``).
+    lora: Train LoRA adapters on the frozen policy (:class:`~yatt_lightning.models.lora.LoRASettings`).
     """
 
     name = "dpo"
@@ -69,8 +71,9 @@ class DPOModule(PolicyStage):
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int | None = None,
+        lora: LoRASettings | None = None,
     ) -> None:
-        super().__init__(policy, optimizer, max_seq_tokens, on_overlong, apply_chat_template, system_prompt, seed)
+        super().__init__(policy, optimizer, max_seq_tokens, on_overlong, apply_chat_template, system_prompt, seed, lora)
         if pairs_per_micro_batch < 1:
             raise ValueError(f"`model.pairs_per_micro_batch` must be >= 1, got {pairs_per_micro_batch}.")
         self.loss = loss

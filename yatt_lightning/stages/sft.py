@@ -18,6 +18,7 @@ import torch
 from typing_extensions import override
 
 from yatt_lightning.models.logprobs import token_logprobs
+from yatt_lightning.models.lora import LoRASettings
 from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.stages.base import PolicyStage, Sequence
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch
@@ -39,6 +40,7 @@ class SFTModule(PolicyStage):
     apply_chat_template: Render prompts with the tokenizer's chat template when it has one.
     system_prompt: A system message in front of every prompt (needs a chat template).
     seed: Seed (``None`` follows ``seed_everything``).
+    lora: Train LoRA adapters on the frozen policy (:class:`~yatt_lightning.models.lora.LoRASettings`).
     """
 
     name = "sft"
@@ -56,8 +58,9 @@ class SFTModule(PolicyStage):
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int | None = None,
+        lora: LoRASettings | None = None,
     ) -> None:
-        super().__init__(policy, optimizer, max_seq_tokens, on_overlong, apply_chat_template, system_prompt, seed)
+        super().__init__(policy, optimizer, max_seq_tokens, on_overlong, apply_chat_template, system_prompt, seed, lora)
         if micro_batch_size < 1:
             raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}.")
         if micro_batch_tokens is not None and micro_batch_tokens < max_seq_tokens:
