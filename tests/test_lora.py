@@ -146,3 +146,14 @@ def test_grpo_with_lora_syncs_the_adapter_or_merged_weights_exactly(tmp_path):
         assert len(s["reward/mean"]) == 4
     assert runs["false"]["reward/mean"][0] == runs["true"]["reward/mean"][0]
     assert [v for _, v in runs["false"]["actor/entropy"]][-1] != [v for _, v in runs["false"]["actor/entropy"]][0]
+
+
+def test_what_lora_does_not_run_yet_is_refused_before_start(tmp_path):
+    from tests.helpers import REPO, yatt_in_process
+
+    config = str(REPO / "configs" / "grpo_lora_tiny.yaml")
+    saver = '[{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint"}]'
+    code, err = yatt_in_process(["fit", "--config", config, "--trainer.callbacks", saver], cwd=tmp_path)
+    assert code == 2 and "checkpoints of the adapters are not written yet" in err, err
+    code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.target_modules", "[qkv]"], cwd=tmp_path)
+    assert code == 2 and "`model.lora.target_modules`: ['qkv'] is not a projection" in err, err

@@ -26,6 +26,8 @@ def check_run(model, datamodule, trainer) -> None:
     check_layout(arch, strategy, trainer)
     check_weights(path)
     tokenizer = load_tokenizer(path)
+    if getattr(model, "lora", None) is not None:
+        check_lora(trainer)
     if not hasattr(model, "sampling"):  # a stage without a rollout (SFT, DPO): its rows, as it will read them
         check_writable(trainer)
         if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
@@ -51,6 +53,21 @@ def check_run(model, datamodule, trainer) -> None:
         raise ValueError("`trainer.max_steps` is 0: the run would train nothing; set it to the number of RL steps.")
     if datamodule is not None and hasattr(datamodule, "load_rows"):
         check_data(model, datamodule, trainer, path, tokenizer)
+
+
+def check_lora(trainer) -> None:
+    """``model.lora``: what runs with adapters so far (issue 25)."""
+    placement = type(getattr(trainer.strategy, "placement", None)).__name__
+    if placement not in ("FullColocation", "NoneType"):
+        raise ValueError(
+            f"`model.lora` with `trainer.strategy.placement: {placement}` is not supported yet: use FullColocation "
+            "(the default), or train the full weights."
+        )
+    if any(type(cb).__name__ == "AsyncCheckpoint" for cb in trainer.callbacks):
+        raise ValueError(
+            "`model.lora`: checkpoints of the adapters are not written yet; remove the AsyncCheckpoint callback "
+            "(`--trainer.callbacks '[]'`), or train the full weights."
+        )
 
 
 def check_agent(model, strategy, tokenizer, path: Path) -> None:
