@@ -22,7 +22,9 @@ from yatt_lightning.rollout.batch import RolloutBatch  # noqa: E402
 
 
 class FixedRollouts(RLHFModule):
-    """Completions drawn from a generator seeded by the prompt row, not by the engine."""
+    """Completions drawn from a generator seeded by the prompt row, not by the engine (so none is started)."""
+
+    needs_engine = False
 
     def rollout(self, batch):
         n = self.sampling.n
