@@ -145,6 +145,10 @@ def test_grpo_with_lora_syncs_only_the_adapter_exactly(tmp_path):
     assert len(s["reward/mean"]) == 4 and max(v for _, v in s["rollout/logprob_diff_max"]) < 1e-3
     entropy = [v for _, v in s["actor/entropy"]]
     assert abs(entropy[-1] - entropy[0]) > 0.05, entropy
+    # rank 8 on 7 projections of 2 layers (hidden 128, 2 key/value heads of 32, MLP 256): 32768 parameters, in
+    # fp32 131072 bytes pushed after each update (the whole tiny model: 410.8K parameters)
+    assert {v for _, v in s["lora/trainable_params"]} == {32768.0}
+    assert {v for _, v in s["lora/sync_bytes"]} == {131072.0} and len(s["lora/sync_bytes"]) == 3
 
 
 def test_what_lora_does_not_run_yet_is_refused_before_start(tmp_path):

@@ -116,7 +116,7 @@ def mode_one(rank: int, port: int, queue) -> None:
     out["scores"] = scores.total.tolist()
     out["scores_expected"] = expected
     out["score_metrics"] = scores.metrics
-    with service.engine_ready(request.weights_version) as (engine, _):
+    with service.engine_ready(request.weights_version) as (engine, _, _pushed):
         generation = strategy.placement.generate(request, len(rows), engine)
         out["controller"] = [[list(c.token_ids) for c in g] for g in strategy.controller.generate(request, 6, engine)]
     out["full_generation"] = {"groups": [len(g) for g in generation.groups], "judged": sorted(generation.judged)}
@@ -159,7 +159,7 @@ def mode_dp2(rank: int, port: int, queue) -> None:
     out = {}
     for name, controller in (("parallel", strategy.controller), ("single", single)):
         assert isinstance(controller, ParallelController if name == "parallel" else SingleController)
-        with service.engine_ready(request.weights_version) as (engine, _):
+        with service.engine_ready(request.weights_version) as (engine, _, _pushed):
             groups = controller.generate(request, 4, engine)
         batch = RolloutBatch.from_groups(request.rows, request.prompt_ids, groups, tokenizer)
         scores = controller.score(batch, lambda part: combine([rule], part), False, tokenizer)

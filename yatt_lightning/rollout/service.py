@@ -94,19 +94,19 @@ class RolloutService:
         by the placement; ``rank_figures`` carry the weight push's seconds and the placement's figures."""
         setup = self._require_setup()
         plan = setup.long_tail.plan(request, setup.run_seed)
-        generation, sync = self.generate(plan.request, plan.keep) if plan.request is not None else (None, 0.0)
+        generation, sync, pushed = self.generate(plan.request, plan.keep) if plan.request is not None else (None, 0.0, {})
         batch = setup.long_tail.collect(plan, generation, setup.tokenizer, self.controller.min_over_ranks)
         judged = generation.judged if generation is not None else {}
         rank = {**(generation.rank_figures if generation is not None else {}), "sync": sync}
-        return dataclasses.replace(batch, judged=judged, rank_figures=rank)
+        return dataclasses.replace(batch, judged=judged, rank_figures=rank, metrics={**batch.metrics, **pushed})
 
-    def generate(self, request: RolloutRequest, keep: int | None = None) -> tuple[Generation, float]:
+    def generate(self, request: RolloutRequest, keep: int | None = None) -> tuple[Generation, float, dict[str, float]]:
         """Completions for the request's prompts (the first ``keep`` groups to finish) through the placement,
-        and the seconds the weight push took on this rank."""
+        the seconds the weight push took on this rank, and the push's figures (LoRA's)."""
         keep = len(request.prompt_ids) if keep is None else keep
         hosts = self.placement.hosts_policy_engine()
-        with self.engine_ready(request.weights_version) if hosts else _no_engine() as (engine, sync):
-            return self.placement.generate(request, keep, engine), sync
+        with self.engine_ready(request.weights_version) if hosts else _no_engine() as (engine, sync, pushed):
+            return self.placement.generate(request, keep, engine), sync, pushed
 
     def score(self, batch: RolloutBatch) -> Scores:
         """This rank's rewards (through the controller), using what the placement already judged while
@@ -122,9 +122,9 @@ class RolloutService:
 
     # ------------------------------------------------------------------ the engine around a rollout
     @contextlib.contextmanager
-    def engine_ready(self, weights_version: int) -> Iterator[tuple[RolloutEngine, float]]:
-        """Engine awake with the policy's current weights, and the seconds that took; training memory
-        released while inside (GPU).
+    def engine_ready(self, weights_version: int) -> Iterator[tuple[RolloutEngine, float, dict[str, float]]]:
+        """Engine awake with the policy's current weights, the seconds that took and the push's figures;
+        training memory released while inside (GPU).
 
         Order on a GPU: wake the engine, push the weights (the policy's parameters are still resident),
         offload the training state, generate; then put the engine to sleep. The training state comes back
@@ -133,26 +133,32 @@ class RolloutService:
         setup = self._require_setup()
         t0 = time.perf_counter()
         self.engine.wake_up()
-        if (
-            setup.policy is not None and self.engine_weights_version != weights_version
-        ):  # none: weights come from a trainer
-            self.push_policy(setup, weights_version)
+        pushed = {}
+        if setup.policy is not None and self.engine_weights_version != weights_version:  # none: weights come from a trainer
+            pushed = self.push_policy(setup, weights_version)
             self.engine_weights_version = weights_version
         for model in (setup.policy, setup.critic):
             if model is not None:
                 model.offload(params=self.offload_params)
         try:
-            yield self.engine, time.perf_counter() - t0
+            yield self.engine, time.perf_counter() - t0, pushed
         finally:
             self.engine.sleep()
 
-    def push_policy(self, setup, version: int) -> None:
+    def push_policy(self, setup, version: int) -> dict[str, float]:
         """The policy's weights into the engine; with LoRA only the adapter (a PEFT folder the engine loads
-        under a new adapter id), or, with ``lora.merge``, the weights with the adapter merged in."""
+        under a new adapter id), or, with ``lora.merge``, the weights with the adapter merged in. Returns the
+        push's figures: with LoRA ``lora/trainable_params`` (the whole adapter's) and ``lora/sync_bytes``."""
         lora = setup.policy.lora
-        if lora is None or lora.merge:
-            self.engine.push_weights(setup.policy.export_merged() if lora else setup.policy.export_hf())
-            return
+        if lora is None:
+            self.engine.push_weights(setup.policy.export_hf())
+            return {}
+        adapter = dict(setup.policy.export_adapter())
+        figures = {"lora/trainable_params": float(sum(t.numel() for t in adapter.values()))}
+        if lora.merge:
+            merged = list(setup.policy.export_merged())
+            self.engine.push_weights(merged)
+            return {**figures, "lora/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in merged))}
         import atexit
         import shutil
         import tempfile
@@ -166,11 +172,12 @@ class RolloutService:
             atexit.register(shutil.rmtree, self.adapter_root, True)
         folder = self.adapter_root / f"v{version}"
         shutil.rmtree(folder, ignore_errors=True)
-        save_peft(folder, dict(setup.policy.export_adapter()), lora, setup.engine.model_path)
+        save_peft(folder, adapter, lora, setup.engine.model_path)
         self.engine.push_adapter(folder)
         for old in self.adapter_root.iterdir():  # the engine has read the new one by its next request
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
+        return {**figures, "lora/sync_bytes": float(sum(t.numel() * t.element_size() for t in adapter.values()))}
 
     def prepare_training(self) -> None:
         """Before the update, the critic's values or a save: the training state back on the device (a no-op
@@ -182,5 +189,5 @@ class RolloutService:
 
 
 @contextlib.contextmanager
-def _no_engine() -> Iterator[tuple[None, float]]:
-    yield None, 0.0
+def _no_engine() -> Iterator[tuple[None, float, dict]]:
+    yield None, 0.0, {}
