@@ -140,26 +140,32 @@ class Recorder(Callback):
             die(f"while the checkpoint of step {KILL['step']} is being written")
 
     def on_train_end(self, trainer, module) -> None:
-        import torch
+        save_final(trainer, module, self.out)
 
-        weights = {n: t.clone() for n, t in module.policy.export_hf()}
-        if module.critic_model is not None:  # PPO's critic (one process: its parameters are whole)
-            weights.update(
-                {f"critic.{n}": p.detach().clone() for n, p in module.critic_model.local_module().named_parameters()}
-            )
-        ids = torch.arange(2, 34).reshape(2, 16) * 7 % 290
-        seen = []
 
-        def keep(mb, logits):
-            seen.append(logits.detach().clone())
-            return torch.zeros(()), torch.tensor(1), {}
+def save_final(trainer, module, out: Path) -> None:
+    """OUT/final.safetensors (the policy under Hugging Face names; PPO's critic as ``critic.<name>``) and
+    OUT/logits.pt (the Megatron policy's logits for fixed token ids), from rank 0. Collective."""
+    import torch
 
-        module.policy.forward_backward([{"input_ids": ids}], keep, forward_only=True)
-        if trainer.is_global_zero:
-            from safetensors.torch import save_file
+    weights = {n: t.clone() for n, t in module.policy.export_hf()}
+    critic = getattr(module, "critic_model", None)
+    if critic is not None:  # PPO's critic (one process: its parameters are whole)
+        weights.update({f"critic.{n}": p.detach().clone() for n, p in critic.local_module().named_parameters()})
+    ids = torch.arange(2, 34).reshape(2, 16) * 7 % 290
+    seen = []
 
-            save_file(weights, str(self.out / "final.safetensors"))
-            torch.save({"ids": ids, "logits": seen[0]}, self.out / "logits.pt")
+    def keep(mb, logits):
+        seen.append(logits.detach().clone())
+        return torch.zeros(()), torch.tensor(1), {}
+
+    module.policy.forward_backward([{"input_ids": ids}], keep, forward_only=True)
+    if trainer.is_global_zero:
+        from safetensors.torch import save_file
+
+        save_file(weights, str(out / "final.safetensors"))
+        if seen:  # one process, or rank 0 on the last pipeline stage
+            torch.save({"ids": ids, "logits": seen[0]}, out / "logits.pt")
 
 
 def main() -> None:

@@ -30,23 +30,9 @@ class Keep(Callback):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def on_train_end(self, trainer, module) -> None:
-        import torch
+        from faults import save_final  # this folder is on the path of a script run from it
 
-        weights = {n: t.clone() for n, t in module.policy.export_hf()}  # collective
-        ids = torch.arange(2, 34).reshape(2, 16) * 7 % 290
-        seen = []
-
-        def keep(mb, logits):
-            seen.append(logits.detach().clone())
-            return torch.zeros(()), torch.tensor(1), {}
-
-        module.policy.forward_backward([{"input_ids": ids}], keep, forward_only=True)
-        if trainer.is_global_zero:
-            from safetensors.torch import save_file
-
-            save_file(weights, str(self.out / "final.safetensors"))
-            if seen:  # one process, or the last pipeline stage on rank 0's side
-                torch.save({"ids": ids, "logits": seen[0]}, self.out / "logits.pt")
+        save_final(trainer, module, self.out)
 
 
 def main() -> None:
