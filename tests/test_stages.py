@@ -248,12 +248,7 @@ def test_micro_batches_by_token_budget_hold_whole_sequences_within_it(tiny_model
         SFTModule, tiny_model_path, target="answer", target_prefix=" ", micro_batch_tokens=64, max_seq_tokens=32
     )
     rows = [{"prompt": "after a", "answer": " ".join("bcdefghijklmnop"[: 1 + k % 12])} for k in range(24)]
-    batch = sft.samples(sft.sequences(rows))
-    from yatt_lightning.training.batch import TrainingBatch
-    from yatt_lightning.training.packing import pack_by_tokens
-
-    plan = pack_by_tokens(batch.sequence_lengths(), 64, overhead_tokens=0)
-    mbs = sft.microbatches(TrainingBatch(batch), plan)
+    mbs = sft.batch_microbatches(rows)  # what a training step runs
     assert sorted(i for mb in mbs for i in mb.sample_index.tolist()) == list(range(24))
     assert all(mb.input_ids.numel() <= 64 for mb in mbs) and len(mbs) > 1
 

@@ -110,14 +110,18 @@ def _row_images(row: dict) -> list | None:
 
 
 # ---------------------------------------------------------------------------------------------- ids
-def render(tokenizer: Any, messages: list[dict], chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+def render(
+    tokenizer: Any, messages: list[dict], chat_template: str | None = None, tools: list[dict] | None = None,
+    finished: bool = False,
+) -> list[int]:  # fmt: skip
     """The ids of ``messages`` under the chat template, as the tokenizer's own ``apply_chat_template``
     gives them: with the generation prompt after a user turn, continuing a final assistant turn; ``tools``:
-    the agent's tool schemas, which the template describes to the model (Qwen's and Hermes' do)."""
-    continue_final = messages[-1]["role"] == "assistant"
+    the agent's tool schemas, which the template describes to the model (Qwen's and Hermes' do).
+    ``finished``: a whole conversation, as trained on (neither a generation prompt nor a turn left open)."""
+    continue_final = messages[-1]["role"] == "assistant" and not finished
     out = tokenizer.apply_chat_template(
         messages, chat_template=chat_template, tokenize=True, return_dict=True, tools=tools,
-        add_generation_prompt=not continue_final, continue_final_message=continue_final,
+        add_generation_prompt=not continue_final and not finished, continue_final_message=continue_final,
     )  # fmt: skip
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     if ids and isinstance(ids[0], list):  # a batch of one conversation

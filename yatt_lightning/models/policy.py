@@ -269,10 +269,11 @@ class MegatronPolicy(torch.nn.Module):
         yield from self._across_stages(self._adapter_stage)
 
     @torch.no_grad()
-    def export_merged(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """:meth:`export_hf` with the LoRA adapters merged into the weights they adapt (``W + scale B A``);
-        the weights themselves stay as they are. Collective, as :meth:`export_hf`."""
-        adapters = dict(self.export_adapter())
+    def export_merged(self, adapters: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`export_hf` with the LoRA adapters (``adapters``: :meth:`export_adapter`'s, if already taken)
+        merged into the weights they adapt (``W + scale B A``); the weights themselves stay as they are.
+        Collective, as :meth:`export_hf`."""
+        adapters = dict(self.export_adapter()) if adapters is None else adapters
         for name, tensor in self.export_hf():
             peft = "base_model.model." + name.removesuffix(".weight")
             if f"{peft}.lora_A.weight" in adapters:

@@ -156,7 +156,7 @@ class RolloutService:
         adapter = dict(setup.policy.export_adapter())
         figures = {"lora/trainable_params": float(sum(t.numel() for t in adapter.values()))}
         if lora.merge:
-            merged = list(setup.policy.export_merged())
+            merged = list(setup.policy.export_merged(adapter))
             self.engine.push_weights(merged)
             return {**figures, "lora/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in merged))}
         import atexit

@@ -31,7 +31,10 @@ def check_run(model, datamodule, trainer) -> None:
     if not hasattr(model, "sampling"):  # a stage without a rollout (SFT, DPO): its rows, as it will read them
         check_writable(trainer)
         if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
-            model.check_rows(path, datamodule.load_rows())
+            rows = datamodule.load_rows()
+            model.check_rows(path, rows)
+            if datamodule.dataset is None:  # checked: `setup` uses these rows instead of reading them again
+                datamodule.dataset = datamodule.make_dataset(rows)
             held_out = getattr(datamodule, "val_path", None), getattr(datamodule, "val_task", None)
             if held_out != (None, None):
                 model.check_rows(path, datamodule.load_rows(*held_out))

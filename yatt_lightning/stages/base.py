@@ -172,11 +172,11 @@ class PolicyStage(pl.LightningModule):
                 "completion in its own field (`model.target`)."
             )
         template, tok = self.prompt_format.chat_template, self.tokenizer
-        full = _render_all(tok, messages, template)
+        full = render(tok, messages, template, finished=True)
         mask = [0.0] * len(full)
         starts = []
         for k in turns:
-            before, through = render(tok, messages[:k], template), _render_all(tok, messages[: k + 1], template)
+            before, through = render(tok, messages[:k], template), render(tok, messages[: k + 1], template, finished=True)
             if full[: len(before)] != before or full[: len(through)] != through:
                 raise ValueError(
                     f"{where}: the chat template of {self.prompt_format.source} renders the conversation's start "
@@ -217,9 +217,10 @@ class PolicyStage(pl.LightningModule):
             [torch.zeros(len(s.completion_ids)) for s in seqs], [s.images for s in seqs], masks,
         )  # fmt: skip
 
-    def microbatches(self, batch: TrainingBatch, chunks: list[list[int]]) -> list[MicroBatch]:
+    def microbatches(self, batch: TrainingBatch, size: int, plan: list[list[int]] | None = None) -> list[MicroBatch]:
+        """The batch's micro-batches: ``size`` sequences each, in order, or following ``plan``."""
         pixels = self.images.pixels if self.images is not None else None
-        return batch.microbatches([], 0, self.tokenizer.pad_token_id, plan=chunks, pixels=pixels)
+        return batch.microbatches(list(range(len(batch))), size, self.tokenizer.pad_token_id, plan=plan, pixels=pixels)
 
     def all_reduce_sums(self, values: list[float]) -> list[float]:
         """``values`` summed over every rank (the pipeline's other stages add zeros)."""
@@ -228,13 +229,3 @@ class PolicyStage(pl.LightningModule):
             torch.distributed.all_reduce(totals)
         return totals.tolist()
 
-
-def _render_all(tokenizer, messages: list[dict], template: str) -> list[int]:
-    """The ids of a finished conversation (no generation prompt, nothing continued)."""
-    from collections.abc import Mapping
-
-    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True)
-    ids = out["input_ids"] if isinstance(out, Mapping) else out
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]

@@ -108,17 +108,20 @@ class DPOModule(PolicyStage):
         forward pass of the reference)."""
         seqs = self.sequences(rows)
         batch = TrainingBatch(self.samples(seqs))
-        size = 2 * self.pairs_per_micro_batch
-        chunks = [list(range(s, min(s + size, len(seqs)))) for s in range(0, len(seqs), size)]
-        ref = sample_logprobs(self.reference, self.microbatches(batch, chunks), len(seqs), 1.0)
-        return self.microbatches(TrainingBatch(batch.samples, ref_logprobs=ref), chunks)
+        size = 2 * self.pairs_per_micro_batch  # an even size: a pair never straddles two micro-batches
+        ref = sample_logprobs(self.reference, self.microbatches(batch, size), len(seqs), 1.0)
+        return self.microbatches(TrainingBatch(batch.samples, ref_logprobs=ref), size)
 
-    def figures(self, outputs: list[dict]) -> tuple[dict[str, float], list[float]]:
-        """The figures' means over every rank's pairs, and the sums they came from."""
-        sums = [sum(float(o[k]) for o in outputs) for k in (*FIGURES, "pairs")]
+    @staticmethod
+    def sums(outputs: list[dict]) -> list[float]:
+        """This rank's sums of the figures over its pairs, and the pairs (the last entry)."""
+        return [sum(float(o[k]) for o in outputs) for k in (*FIGURES, "pairs")]
+
+    def means(self, sums: list[float]) -> dict[str, float]:
+        """The figures' means over every rank's pairs, from every rank's :meth:`sums` (collective)."""
         totals = self.all_reduce_sums(sums)
         pairs = max(totals[-1], 1.0)
-        return {k: v / pairs for k, v in zip(FIGURES, totals, strict=False)}, sums
+        return {k: v / pairs for k, v in zip(FIGURES, totals, strict=False)}
 
     @override
     def training_step(self, batch: list[dict], batch_idx: int) -> None:
@@ -127,23 +130,21 @@ class DPOModule(PolicyStage):
         optimizer.zero_grad()
         outputs = self.policy.forward_backward(mbs, self._pair_loss, forward_only=False)
         optimizer.step()
-        means, _ = self.figures(outputs)
+        means = self.means(self.sums(outputs))
         self.log_dict({**{f"dpo/{k}": v for k, v in means.items()}, "dpo/grad_norm": optimizer.last_grad_norm,
                        "dpo/cut": float(self.cut)}, prog_bar=False, rank_zero_only=True)  # fmt: skip
 
     @override
     def validation_step(self, batch: list[dict], batch_idx: int) -> None:
         outputs = self.policy.forward_backward(self.pair_microbatches(batch), self._pair_loss, forward_only=True)
-        sums = [sum(float(o[k]) for o in outputs) for k in (*FIGURES, "pairs")]
-        self.val_sums = [a + b for a, b in zip(self.val_sums, sums, strict=True)]
+        self.val_sums = [a + b for a, b in zip(self.val_sums, self.sums(outputs), strict=True)]
 
     @override
     def on_validation_epoch_end(self) -> None:
-        totals = self.all_reduce_sums(self.val_sums)
+        means = self.means(self.val_sums)
         self.val_sums = [0.0] * len(self.val_sums)
-        pairs = max(totals[-1], 1.0)
         if self.trainer.is_global_zero:  # logged during the sanity check too: the figures before training
-            figures = {f"dpo/val_{k}": v / pairs for k, v in zip(FIGURES, totals, strict=False)}
+            figures = {f"dpo/val_{k}": v for k, v in means.items()}
             for logger in self.trainer.loggers:
                 logger.log_metrics(figures, step=self.trainer.global_step)
 

@@ -23,7 +23,6 @@ from yatt_lightning.models.spec import ModelSpec
 from yatt_lightning.stages.base import PolicyStage, Sequence
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch
 from yatt_lightning.training.optim import OptimizerSettings
-from yatt_lightning.training.packing import pack_by_tokens
 
 
 class SFTModule(PolicyStage):
@@ -79,12 +78,9 @@ class SFTModule(PolicyStage):
     def batch_microbatches(self, rows: list[dict]) -> list[MicroBatch]:
         seqs = self.sequences(rows)
         batch = TrainingBatch(self.samples(seqs))
-        if self.micro_batch_tokens is not None:
-            chunks = pack_by_tokens(batch.samples.sequence_lengths(), self.micro_batch_tokens, overhead_tokens=0)
-        else:
-            n, size = len(seqs), self.micro_batch_size
-            chunks = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
-        return self.microbatches(batch, chunks)
+        budget = self.micro_batch_tokens
+        plan = batch.plan_by_tokens(list(range(len(batch))), budget, overhead_tokens=0) if budget else None
+        return self.microbatches(batch, self.micro_batch_size, plan)
 
     @override
     def training_step(self, batch: list[dict], batch_idx: int) -> None:
