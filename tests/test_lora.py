@@ -3,12 +3,15 @@ PP=2 equal to one process (tier 1 one process over gloo, tier 2 two processes)."
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import spawn_gloo
+from tests.helpers import REPO, spawn_gloo
 from tests.test_policy import megatron_world  # noqa: F401 (a fixture)
 from yatt_lightning.models.lora import LoRASettings
 
@@ -91,7 +94,7 @@ def test_adapters_give_peft_logits_and_train_only_themselves(megatron_world, tin
         torch.testing.assert_close(plain(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def _layout_run(rank: int, port: int, queue, world: int, tp: int, pp: int, path: str) -> None:
+def _layout_run(rank: int, port: int, queue, world: int, tp: int, pp: int, path: str, saved: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
@@ -101,27 +104,53 @@ def _layout_run(rank: int, port: int, queue, world: int, tp: int, pp: int, path:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     with megatron_cpu_context():
         ps.initialize_model_parallel(tp, pp)
-    policy = _policy(path, LoRASettings(rank=4, alpha=8, target_modules="all-linear"))
+    settings = LoRASettings(rank=4, alpha=8, target_modules="all-linear")
+    policy = _policy(path, settings)
     losses = _train(policy)
     adapter = {n: t.numpy().copy() for n, t in policy.export_adapter()}  # by value: the process ends next
-    queue.put((rank, (losses, adapter, policy.lora_params)))
+    # The checkpoint's adapters and optimizer in this layout, loaded into a fresh policy: one more step of each
+    # is the same, bit for bit.
+    from megatron.core import dist_checkpointing
+
+    from yatt_lightning.checkpoint import folder as ckpt
+
+    os.makedirs(saved, exist_ok=True)
+    with megatron_cpu_context():
+        dist_checkpointing.save(ckpt._sharded_state(policy, is_loading=False), saved)
+        fresh = _policy(path, settings)
+        state = dist_checkpointing.load(ckpt._sharded_state(fresh, is_loading=True), saved)
+    fresh.local_module().load_state_dict({k.removeprefix("model."): v for k, v in state["model"].items()}, strict=False)
+    fresh.optimizer.load_state_dict(state["optimizer"])
+    same = repr(_train(policy, steps=1)) == repr(_train(fresh, steps=1))  # nan on a first PP stage
+    same &= all(torch.equal(a, b) for (_, a), (_, b) in zip(policy.export_adapter(), fresh.export_adapter(), strict=True))
+    queue.put((rank, (losses, adapter, policy.lora_params, same, sorted(state["model"]))))
 
 
-def _spawn(world, tp, pp, path):
+def _spawn(world, tp, pp, path, saved):
     import functools
 
-    return spawn_gloo(
-        functools.partial(_layout_run, world=world, tp=tp, pp=pp, path=str(path)), world=world, timeout=240
-    )
+    run = functools.partial(_layout_run, world=world, tp=tp, pp=pp, path=str(path), saved=str(saved))
+    return spawn_gloo(run, world=world, timeout=240)
 
 
 @pytest.mark.distributed
-def test_tp2_and_pp2_equal_one_process(tiny_model_path):
+def test_tp2_and_pp2_equal_one_process_and_checkpoint_the_adapters_only(tiny_model_path, tmp_path):
     """3 optimizer steps of every projection's adapters: TP=2 and PP=2 reach one process's losses and adapter
-    weights within 1e-5 (B starts at zero, so the steps move both A and B)."""
-    one = _spawn(1, 1, 1, tiny_model_path)[0]
+    weights within 1e-5 (B starts at zero, so the steps move both A and B). Each layout's checkpoint holds the
+    adapters only, whole (each TP shard where it belongs), and a policy loaded from it takes the next step
+    bit for bit as the one that wrote it."""
+    from yatt_lightning.checkpoint.export import _unstack, read_model_tensors
+    from yatt_lightning.models.lora import peft_name
+
+    one = _spawn(1, 1, 1, tiny_model_path, tmp_path / "one")[0]
     for tp, pp in ((2, 1), (1, 2)):
-        runs = _spawn(2, tp, pp, tiny_model_path)
+        saved = tmp_path / f"tp{tp}pp{pp}"
+        runs = _spawn(2, tp, pp, tiny_model_path, saved)
+        assert all(run[3] for run in runs.values()), (tp, pp, "a policy loaded from the checkpoint took another step")
+        assert all(".lora." in key for run in runs.values() for key in run[4])
+        written = {peft_name(n, 0): t for name, full in read_model_tensors(saved).items() for n, t in _unstack(name, full)}
+        assert written.keys() == one[1].keys()
+        assert all(torch.equal(written[k], torch.from_numpy(runs[0][1][k])) for k in written), (tp, pp)
         losses = runs[1][0] if pp == 2 else runs[0][0]  # the last stage computes the loss
         assert losses == pytest.approx(one[0], abs=1e-5), (tp, pp, losses, one[0])
         adapter = runs[0][1]
@@ -137,7 +166,7 @@ def test_grpo_with_lora_syncs_only_the_adapter_exactly(tmp_path):
     """configs/grpo_lora_tiny.yaml for 4 steps: the engine samples with the adapter it received after each
     update (its logprobs equal the policy's within 1e-3 while the adapters move the policy's entropy). The
     merged push (`lora.merge`) is the usual weight push of `export_merged`, checked above against PEFT."""
-    from tests.helpers import REPO, read_scalars, yatt
+    from tests.helpers import read_scalars, yatt
 
     yatt(["fit", "--config", str(REPO / "configs" / "grpo_lora_tiny.yaml"), "--trainer.max_steps", "4",
           "--trainer.default_root_dir", str(tmp_path)], cwd=tmp_path)  # fmt: skip
@@ -151,12 +180,78 @@ def test_grpo_with_lora_syncs_only_the_adapter_exactly(tmp_path):
     assert {v for _, v in s["lora/sync_bytes"]} == {131072.0} and len(s["lora/sync_bytes"]) == 3
 
 
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_bitwise_exports_both_forms_and_refuses_adapters_that_do_not_fit(tmp_path):
+    """GRPO with adapters, saved every 2 steps, SIGKILLed after the first optimizer step of step 4: resumed with
+    `--ckpt_path last`, the adapters (and the untouched base) end bit for bit where an uninterrupted run's do.
+    Its checkpoint holds the adapters and their optimizer only, with its base named and hashed; `yatt export`
+    writes a PEFT folder that `peft` loads onto the base and a merged folder, both with the policy's logits.
+    Resuming it on another base, rank or scale, or without `model.lora`, is one screen before any engine."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import yatt, yatt_in_process
+    from tests.test_checkpoint import _faults, _records, _resumed_step, _saver, _weights
+    from yatt_lightning.checkpoint import folder as ckpt
+    from yatt_lightning.checkpoint.export import read_model_tensors
+
+    common = ["--trainer.max_steps", "5", "--model.mini_batches", "2", "--model.lora", '{"rank": 8}']
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 2))
+    _faults(cut, "--kill", "train:4", *common, "--trainer.callbacks", _saver(cut / "ckpts", 2), expect_kill=True)
+    log = _faults(cut, *common, "--trainer.callbacks", _saver(cut / "ckpts", 2), "--ckpt_path", "last")
+    assert _resumed_step(log) == 2, log[-3000:]
+    a, b = _weights(whole), _weights(cut)
+    assert a.keys() == b.keys() and sum(k.startswith("adapter.") for k in a) == 28
+    assert all(torch.equal(a[k], b[k]) for k in a) and _records(whole) == _records(cut)
+
+    saved = ckpt.tracked(whole / "ckpts")
+    tensors = read_model_tensors(saved / ckpt.WEIGHTS)
+    assert len(tensors) == 14 and all(".lora." in k for k in tensors)  # A and B of 7 projections, layers stacked
+    assert sum(t.numel() for t in tensors.values()) == 32768
+    reference = json.loads((saved / "lora_base.json").read_text())
+    base = Path(reference["base"])
+    assert reference["rank"] == 8 and len(reference["base_sha256"]) == 64
+
+    yatt(["export", "--ckpt_dir", str(whole / "ckpts"), "--out", str(tmp_path / "hf")], cwd=tmp_path)
+    probe = torch.load(whole / "logits.pt")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        assert (plain(probe["ids"]).logits - probe["logits"]).abs().max() > 1e-2  # the adapters moved the policy
+        peft = PeftModel.from_pretrained(plain, tmp_path / "hf" / "adapter")
+        for model in (merged, peft):
+            torch.testing.assert_close(model(probe["ids"]).logits, probe["logits"], atol=1e-4, rtol=1e-4)
+
+    other = tmp_path / "other-base"  # the same model with one weight changed by 1e-3
+    shutil.copytree(base, other)
+    weights = load_file(str(other / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1e-3
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    grpo, at = str(REPO / "configs" / "grpo_tiny.yaml"), ["--ckpt_path", str(saved)]
+    for extra, screen in (
+        (["--model.lora", '{"rank": 8}', "--model.policy.path", str(other)],
+         f"the adapters in {saved} were trained on {base} (weights SHA-256 {reference['base_sha256'][:16]}...), and this run's base is {other}"),
+        (["--model.lora", '{"rank": 4}'], "`model.lora.rank`: the adapters in"),
+        (["--model.lora", '{"rank": 8, "alpha": 8}'], "`model.lora.alpha`: the adapters in"),
+        ([], f"{saved} holds LoRA adapters (rank 8 on {base}), and this run has no `model.lora`"),
+    ):  # fmt: skip
+        code, err = yatt_in_process(["fit", "--config", grpo, *at, *extra], cwd=tmp_path)
+        assert code == 2 and screen in err, (extra, err[-2000:])
+    proc = yatt(["export", "--ckpt_dir", str(saved), "--out", str(tmp_path / "x"), "--base", str(other)],
+                cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode != 0 and f"`--base`: {other} is not the base the adapters in {saved}" in proc.stderr
+
+
 def test_what_lora_does_not_run_yet_is_refused_before_start(tmp_path):
-    from tests.helpers import REPO, yatt_in_process
+    from tests.helpers import yatt_in_process
 
     config = str(REPO / "configs" / "grpo_lora_tiny.yaml")
-    saver = '[{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint"}]'
-    code, err = yatt_in_process(["fit", "--config", config, "--trainer.callbacks", saver], cwd=tmp_path)
-    assert code == 2 and "checkpoints of the adapters are not written yet" in err, err
+    placement = "yatt_lightning.placement.PartialColocation"
+    code, err = yatt_in_process(["fit", "--config", config, "--trainer.devices", "2", "--trainer.strategy.placement", placement],
+                                cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "`model.lora` with `trainer.strategy.placement: PartialColocation` is not supported" in err, err
     code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.target_modules", "[qkv]"], cwd=tmp_path)
     assert code == 2 and "`model.lora.target_modules`: ['qkv'] is not a projection" in err, err

@@ -144,11 +144,14 @@ class Recorder(Callback):
 
 
 def save_final(trainer, module, out: Path) -> None:
-    """OUT/final.safetensors (the policy under Hugging Face names; PPO's critic as ``critic.<name>``) and
+    """OUT/final.safetensors (the policy under Hugging Face names; PPO's critic as ``critic.<name>``, LoRA's
+    adapters as ``adapter.<name>``) and
     OUT/logits.pt (the Megatron policy's logits for fixed token ids), from rank 0. Collective."""
     import torch
 
     weights = {n: t.clone() for n, t in module.policy.export_hf()}
+    if getattr(module.policy, "lora", None) is not None:  # LoRA: the adapters too, as ``adapter.<PEFT name>``
+        weights.update({f"adapter.{n}": t.clone() for n, t in module.policy.export_adapter()})
     critic = getattr(module, "critic_model", None)
     if critic is not None:  # PPO's critic (one process: its parameters are whole)
         weights.update({f"critic.{n}": p.detach().clone() for n, p in critic.local_module().named_parameters()})

@@ -2,7 +2,8 @@
 
 Reads only the model tensors of the Megatron distributed checkpoint, in one process without a process
 group, whatever TP/PP/DP layout wrote it: the checkpoint stores each tensor in its global (unsharded)
-layout, with the layers stacked along a leading dimension. The result loads in transformers and vLLM.
+layout, with the layers stacked along a leading dimension. The result loads in transformers and vLLM. A LoRA
+checkpoint holds adapters only: they are written as a PEFT folder and merged into the base they name.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pathlib import Path
 import torch
 
 from yatt_lightning.checkpoint import folder as ckpt
-from yatt_lightning.models import convert, vlm
+from yatt_lightning.checkpoint import lora_base
+from yatt_lightning.models import convert, lora, vlm
 from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.lora import LoRASettings
 
 # Names in Megatron's checkpoints (Transformer-Engine style) -> names of the local layer spec.
 _CHECKPOINT_TO_LOCAL = {
@@ -27,14 +30,17 @@ _CHECKPOINT_TO_LOCAL = {
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: str = "5GB") -> Path:
-    """Write the policy of a checkpoint as a Hugging Face model folder.
+def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: str = "5GB", base: str | None = None) -> Path:
+    """Write the policy of a checkpoint as a Hugging Face model folder; for a LoRA checkpoint (adapters only), the
+    base with the adapters merged in, and the adapters as a PEFT folder in ``<out>/adapter``.
 
     Args:
         ckpt_dir: A checkpoint folder (``.../step-00000020``) or a checkpoint directory holding ``latest``.
         out: Output folder (created; must be empty or absent).
         dtype: Tensor dtype to write (``float32``, ``bfloat16``, ``float16``); default: as trained.
         max_shard_size: Largest safetensors file before the weights are split into several.
+        base: A LoRA checkpoint's base model folder, when it is no longer where the run read it (its weights
+            must be the same: their SHA-256 is checked).
     """
     from transformers import AutoConfig
 
@@ -57,6 +63,9 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     hf_config = AutoConfig.from_pretrained(folder / "hf")
     arch = HFArch.from_hf_config(hf_config)
     vision_language = vlm.is_vision_language(hf_config)
+    saved = lora_base.read(folder)
+    if saved is not None:
+        return _export_lora(folder, out_dir, saved, base, vision_language, dtype, max_shard_size)
     hf_tensors = {}
     for name, tensor in read_model_tensors(folder / ckpt.WEIGHTS).items():
         for local_name, full in _unstack(name, tensor):
@@ -77,6 +86,42 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
         config = json.loads((out_dir / "config.json").read_text())
         config["dtype"] = config["torch_dtype"] = dtype
         (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def _export_lora(folder: Path, out_dir: Path, saved: dict, base: str | None, vision_language: bool, dtype: str | None,
+                 max_shard_size: str) -> Path:  # fmt: skip
+    """A LoRA checkpoint: the adapters as a PEFT folder (``<out>/adapter``), and merged into the base they were
+    trained on by ``peft`` (``merge_and_unload``) as the model folder ``out``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    base_path = Path(base or saved["base"])
+    if not base_path.is_dir():
+        raise ckpt.CheckpointError(
+            f"{folder} holds LoRA adapters trained on {saved['base']}, which no longer exists; pass the base model "
+            "folder with `--base DIR`."
+        )
+    if lora_base.base_sha256(base_path) != saved["base_sha256"]:
+        raise ckpt.CheckpointError(
+            f"`--base`: {base_path} is not the base the adapters in {folder} were trained on ({saved['base']}; "
+            "the weights' SHA-256 differ); pass that base with `--base DIR`."
+        )
+    settings = LoRASettings(rank=saved["rank"], alpha=saved["alpha"], dropout=saved["dropout"],
+                            target_modules=saved["target_modules"])  # fmt: skip
+    adapter = {}
+    for name, tensor in read_model_tensors(folder / ckpt.WEIGHTS).items():
+        for local_name, full in _unstack(name, tensor):
+            peft = lora.peft_name(local_name.removeprefix("language_model."), 0, vision_language)
+            adapter[peft] = (full.to(getattr(torch, dtype)) if dtype else full).contiguous().clone()
+    lora.save_peft(out_dir / "adapter", adapter, settings, base_path)
+    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+    model = auto.from_pretrained(base_path, dtype=getattr(torch, dtype) if dtype else "auto")
+    merged = PeftModel.from_pretrained(model, out_dir / "adapter").merge_and_unload()
+    merged.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    for path in (folder / "hf").iterdir():
+        if not (out_dir / path.name).exists():  # the tokenizer's and processor's files
+            shutil.copy2(path, out_dir / path.name)
     return out_dir
 
 

@@ -5,6 +5,8 @@ Layout of one checkpoint (``step-00000020/``)::
     weights/              Megatron distributed checkpoint: model + optimizer, loadable in any TP/PP/DP layout
     trainer_rank<r>.pt    rank r's Lightning state: loops, data-loader position, callbacks, RNG
     hf/                   the policy's Hugging Face config and tokenizer (for ``yatt export``)
+    lora_base.json        with ``model.lora``: weights/ holds the adapters and their optimizer only; this names
+                          the base model folder and its weights' SHA-256 (checked on resume and export)
     manifest.json         every file with its size and CRC-32, written last
 
 Writing goes to ``<name>.tmp``. Only when every rank's files are on disk (for an asynchronous save: when
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.checkpoint import direct_io
+from yatt_lightning.checkpoint import direct_io, lora_base
 from yatt_lightning.checkpoint.listing import (  # noqa: F401 (public here too)
     TRACKER,
     checkpoint_step,
@@ -49,12 +51,13 @@ from yatt_lightning.checkpoint.listing import (  # noqa: F401 (public here too)
 from yatt_lightning.checkpoint.verify import MANIFEST, _crc32, verify  # noqa: F401 (public here too)
 from yatt_lightning.checkpoint.writer import _write_buckets_in_order, async_calls_queue, without_zip_crc  # noqa: F401
 from yatt_lightning.distributed import failures
+from yatt_lightning.models import lora
 from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+WEIGHT_SUFFIXES = lora_base.WEIGHT_SUFFIXES
 
 
 def hf_files(model_path: Path) -> list[Path]:
@@ -115,18 +118,20 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
 
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
+    module = strategy.lightning_module
     with failures.fail_together():  # a full disk on rank 0 stops every rank here, not in the barrier
         if strategy.is_global_zero:
             for stale in final.parent.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)  # a save that never finished (crash, kill)
             (tmp / WEIGHTS).mkdir(parents=True)
             (tmp / "hf").mkdir()
-            model_path = Path(strategy.lightning_module.model_path)
+            model_path = Path(module.model_path)
             for path in hf_files(model_path):
                 shutil.copy2(path, tmp / "hf" / path.name)
+            if getattr(module.policy, "lora", None) is not None:  # adapters only: the base is referenced
+                _write_durable(tmp / lora_base.BASE_FILE, json.dumps(lora_base.reference(model_path, module.policy.lora)).encode())
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
-    module = strategy.lightning_module
     if _trainers_group(strategy) is not None:  # a disaggregated placement: the rollout ranks write first
         if strategy.role == "rollout":
             _write_and_describe(None, tmp, strategy.global_rank, state_bytes)  # no weights; the trainers finalize
@@ -313,6 +318,11 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
     if module.policy is None:
         return  # a disaggregated rollout rank: it gets the trainers' weights through the weight channel
     critic = getattr(module, "critic_model", None)
+    adapters = getattr(module.policy, "lora", None)
+    try:  # the CLI checked before any engine started; a run started in Python is checked here
+        lora_base.check(folder, Path(module.model_path), adapters)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     with megatron_cpu_context():
         state = dist_checkpointing.load(_sharded_state(module.policy, critic, is_loading=True), str(folder / WEIGHTS))
         for model, prefix in ((module.policy, "model"), (critic, "critic")):
@@ -321,8 +331,9 @@ def load_policy(strategy, checkpoint: dict[str, Any]) -> None:
             model_state = {k.removeprefix(f"{prefix}."): v for k, v in state[prefix].items()}
             # Megatron adds `_extra_state` entries (Transformer Engine metadata) that local layers do not have.
             result = model.local_module().load_state_dict(model_state, strict=False)
-            if result.missing_keys:
-                raise CheckpointError(f"{folder}: the checkpoint lacks {prefix} parameters {result.missing_keys[:5]}")
+            missing = [k for k in result.missing_keys if lora.is_lora(k)] if prefix == "model" and adapters else result.missing_keys
+            if missing:
+                raise CheckpointError(f"{folder}: the checkpoint lacks {prefix} parameters {missing[:5]}")
             if model.optimizer is not None and _optimizer_key(prefix) in state:
                 model.optimizer.load_state_dict(state[_optimizer_key(prefix)])
 
@@ -339,6 +350,8 @@ def _sharded_state(policy, critic=None, *, is_loading: bool) -> dict:
         if model is None:
             continue
         model_sd = model.local_module().sharded_state_dict(prefix=f"{prefix}.")
+        if getattr(model, "lora", None) is not None:  # the adapters only; the frozen base stays in its folder
+            model_sd = lora.checkpoint_state(model_sd)
         state[prefix] = model_sd
         if model.optimizer is not None:
             state[_optimizer_key(prefix)] = model.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)

@@ -202,6 +202,31 @@ def is_lora(name: str) -> bool:
     return f".{LORA}." in name
 
 
+def checkpoint_state(model_sd: dict) -> dict:
+    """The adapters' entries of a Megatron sharded state dict (a LoRA checkpoint holds nothing else: the base
+    is the model folder it references), each split tensor marked split along its TP dim. Megatron's linear
+    layers describe their whole ``state_dict`` (ours included) as replicated over TP but for their own weight
+    and bias; so one rank's shard would be written for all."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    out = {}
+    for key, st in model_sd.items():
+        if not is_lora(key):
+            continue
+        proj, which = key.rsplit(".", 1)[-1].rsplit("_", 1)
+        dim = split_dim(proj, which)
+        if dim is not None and tp > 1:  # as megatron.core.utils.make_tp_sharded_tensor_for_checkpoint does
+            pre = st.prepend_axis_num
+            layer_axes = [(i, st.global_offset[i], st.axis_fragmentations[i]) for i in range(pre)]
+            st = ShardedTensor.from_rank_offsets(st.key, st.data, *layer_axes, (pre + dim, tp_rank, tp),
+                                                 replica_id=(0, 0, dp_rank), prepend_axis_num=pre)  # fmt: skip
+        out[key] = st
+    return out
+
+
 def peft_name(name: str, layer_offset: int, vision_language: bool = False) -> str:
     """PEFT's name of a full adapter tensor ``decoder.layers.N.<layer>.lora.<proj>_<A|B>``."""
     parts = name.split(".")

@@ -130,6 +130,7 @@ class YattCLI(LightningCLI):
                     "another checkpoint, or `--ckpt_path last` to use the newest intact one."
                 )
         if path != "last":
+            self._check_adapters(path)
             return
         from yatt_lightning.callbacks.async_checkpoint import AsyncCheckpoint
 
@@ -145,6 +146,15 @@ class YattCLI(LightningCLI):
         if target is None:
             print(f"--ckpt_path last: no checkpoint in {saver.dirpath} yet; starting from step 0", flush=True)
         config["ckpt_path"] = None if target is None else str(target)
+        self._check_adapters(config["ckpt_path"])
+
+    def _check_adapters(self, path) -> None:
+        """LoRA adapters resume on the base they were trained on, with their rank and projections; full weights
+        without ``model.lora`` (:mod:`yatt_lightning.checkpoint.lora_base`)."""
+        from yatt_lightning.checkpoint import lora_base
+
+        if path is not None and hasattr(self.model, "policy_spec"):
+            lora_base.check(Path(path), Path(self.model.policy_spec.resolve()), getattr(self.model, "lora", None))
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()

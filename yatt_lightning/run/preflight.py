@@ -66,11 +66,6 @@ def check_lora(trainer) -> None:
             f"`model.lora` with `trainer.strategy.placement: {placement}` is not supported yet: use FullColocation "
             "(the default), or train the full weights."
         )
-    if any(type(cb).__name__ == "AsyncCheckpoint" for cb in trainer.callbacks):
-        raise ValueError(
-            "`model.lora`: checkpoints of the adapters are not written yet; remove the AsyncCheckpoint callback "
-            "(`--trainer.callbacks '[]'`), or train the full weights."
-        )
 
 
 def check_agent(model, strategy, tokenizer, path: Path) -> None:
