@@ -42,3 +42,31 @@ def pop_smoke(argv: list[str]) -> bool:
         argv.remove("--smoke")
         return True
     return False
+
+
+def yatt(*args: str, cwd: Path) -> None:
+    """The real ``yatt`` command in a new process; its last output lines if it fails."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "yatt_lightning.run.cli", *args]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"`yatt {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def fit(config: str, root: Path, *overrides: str) -> dict[str, list[float]]:
+    """``yatt fit`` of configs/<config>.yaml into ``root``; its scalars by tag, in step order."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    start = time.perf_counter()
+    yatt("fit", "--config", str(REPO / "configs" / f"{config}.yaml"), "--trainer.default_root_dir", str(root),
+         *overrides, cwd=root.parent)  # fmt: skip
+    print(f"  {config} {' '.join(overrides)}: {time.perf_counter() - start:.0f} s", flush=True)
+    (events,) = sorted(root.rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)] for tag in acc.Tags()["scalars"]}

@@ -24,35 +24,11 @@ steps; no GRPO from scratch and no teacher run (printed as ``skipped``).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _common import REPO, pop_smoke
-
-
-def yatt(*args: str, cwd: Path) -> None:
-    cmd = [sys.executable, "-m", "yatt_lightning.run.cli", *args]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"`yatt {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-
-
-def fit(config: str, root: Path, *overrides: str) -> dict[str, list[float]]:
-    """``yatt fit`` of configs/<config>.yaml into ``root``; its scalars by tag, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    start = time.perf_counter()
-    yatt("fit", "--config", str(REPO / "configs" / f"{config}.yaml"), "--trainer.default_root_dir", str(root),
-         *overrides, cwd=root.parent)  # fmt: skip
-    print(f"  {config} {' '.join(overrides)}: {time.perf_counter() - start:.0f} s", flush=True)
-    (events,) = sorted(root.rglob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)] for tag in acc.Tags()["scalars"]}
+from _common import fit, pop_smoke
 
 
 def steps_to(values: list[float], level: float) -> str:

@@ -32,6 +32,8 @@ LAST_LINE = {
     "kill_resume.py": r"kills=(?P<kills>\d+) resumed=(?P<resumed>\d+) lost_saved_steps=(?P<lost>\d+) "
     r"corrupt_loaded=(?P<corrupt>\d+) bitwise_equal_final=(?P<bitwise>\d)",
     "learning.py": r"learning_min_margin=(?P<margin>\S+)",
+    "lora.py": r"lora_gain=(?P<lora>\S+) full_gain=(?P<full>\S+) trainable_share=(?P<share>\S+) "
+    r"sync_bytes_ratio=(?P<sync>\S+) optimizer_bytes_ratio=(?P<opt>\S+) lora_logprob_diff=(?P<diff>\S+)",
     "multimodal_controller.py": r"rank0_peak_mem_growth=(?P<parallel>\S+) single_controller_growth=(?P<single>\S+)",
     "placement.py": r"partial_over_full=(?P<ratio>\S+)",
     "stages.py": r"sft_loss_drop=(?P<sft>\S+) rl_steps_to_half_from_sft=(?P<from_sft>\d+) rl_steps_to_half_from_scratch=\S+ "
@@ -76,6 +78,11 @@ def check(name: str, figures: dict[str, float]) -> None:
         assert f["lost"] == f["corrupt"] == 0 and f["bitwise"] == 1
     elif name == "learning.py":
         assert f["margin"] > 0  # a deterministic run: 12 steps already raise the reward
+    elif name == "lora.py":  # the tiny model (377984 parameters; rank 8 on 7 projections of 2 layers: 32768),
+        # fp32 and Adam's two moments: what is pushed and what the optimizer holds are the adapters' share exactly
+        share = 32768 / 377984
+        assert abs(f["share"] - share) < 1e-4 and abs(f["sync"] - share) < 1e-4 and abs(f["opt"] - share) < 1e-4
+        assert f["diff"] < 1e-3 and abs(f["lora"]) < 1 and abs(f["full"]) < 1
     elif name == "multimodal_controller.py":  # 1 and 2 ranks, 64 KB images, the parallel controller only
         assert 0.9 < f["parallel"] <= 1.1
     elif name == "placement.py":  # 1 step: noisy, but a partial placement that serialised (or waited out a

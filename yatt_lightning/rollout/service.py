@@ -148,17 +148,26 @@ class RolloutService:
     def push_policy(self, setup, version: int) -> dict[str, float]:
         """The policy's weights into the engine; with LoRA only the adapter (a PEFT folder the engine loads
         under a new adapter id), or, with ``lora.merge``, the weights with the adapter merged in. Returns the
-        push's figures: with LoRA ``lora/trainable_params`` (the whole adapter's) and ``lora/sync_bytes``."""
+        push's figures: ``rollout/push_bytes`` (what the engine received), with LoRA ``lora/trainable_params``
+        (the whole adapter's) and ``lora/sync_bytes`` (the same bytes under the name LoRA users look for)."""
         lora = setup.policy.lora
         if lora is None:
-            self.engine.push_weights(setup.policy.export_hf())
-            return {}
+            sent = [0]
+
+            def counted():
+                for name, tensor in setup.policy.export_hf():
+                    sent[0] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+            self.engine.push_weights(counted())
+            return {"rollout/push_bytes": float(sent[0])}
         adapter = dict(setup.policy.export_adapter())
         figures = {"lora/trainable_params": float(sum(t.numel() for t in adapter.values()))}
         if lora.merge:
             merged = list(setup.policy.export_merged(adapter))
             self.engine.push_weights(merged)
-            return {**figures, "lora/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in merged))}
+            sent = float(sum(t.numel() * t.element_size() for _, t in merged))
+            return {**figures, "lora/sync_bytes": sent, "rollout/push_bytes": sent}
         import atexit
         import shutil
         import tempfile
@@ -177,7 +186,8 @@ class RolloutService:
         for old in self.adapter_root.iterdir():  # the engine has read the new one by its next request
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
-        return {**figures, "lora/sync_bytes": float(sum(t.numel() * t.element_size() for t in adapter.values()))}
+        sent = float(sum(t.numel() * t.element_size() for t in adapter.values()))
+        return {**figures, "lora/sync_bytes": sent, "rollout/push_bytes": sent}
 
     def prepare_training(self) -> None:
         """Before the update, the critic's values or a save: the training state back on the device (a no-op
