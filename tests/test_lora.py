@@ -94,6 +94,41 @@ def test_adapters_give_peft_logits_and_train_only_themselves(megatron_world, tin
         torch.testing.assert_close(plain(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_language_model_of_a_llava_policy_takes_adapters_as_peft_does(megatron_world, tmp_path):  # noqa: F811
+    """A LLaVA policy with adapters on its language model (the vision tower and projector frozen as the base):
+    after an update, its logits on two images equal transformers' LLaVA with the exported PEFT folder loaded,
+    whose pattern leaves the vision tower's projections of the same names alone."""
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from tests.test_vlm_policy import _inputs, _logits_of_images
+    from yatt_lightning.models.lora import save_peft
+    from yatt_lightning.models.tiny_llava import build_tiny_llava
+
+    path = build_tiny_llava()
+    settings = LoRASettings(rank=4, alpha=8)
+    policy = _policy(path, settings)
+    module = policy.local_module()
+    assert all(".lora." in n and "language_model" in n for n, p in module.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for n, p in module.named_parameters():
+            if n.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ids, pixels = _inputs(path, [(220, 30, 30), (40, 60, 230)])
+    save_peft(tmp_path / "adapter", dict(policy.export_adapter()), settings, path, vision_language=True)
+    hf = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32),
+                                   tmp_path / "adapter").eval()  # fmt: skip
+    adapted = [n for n, _ in hf.named_modules() if n.endswith(".lora_A")]
+    assert len(adapted) == 7 * 2 and all(".language_model." in n for n in adapted)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, pixel_values=pixels).logits
+        plain = hf.get_base_model()
+        with hf.disable_adapter():
+            assert (plain(input_ids=ids, pixel_values=pixels).logits - expected).abs().max() > 1e-2
+    torch.testing.assert_close(_logits_of_images(policy, ids, pixels), expected, atol=1e-4, rtol=1e-4)
+
+
 def _layout_run(rank: int, port: int, queue, world: int, tp: int, pp: int, path: str, saved: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)

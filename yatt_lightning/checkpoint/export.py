@@ -114,7 +114,7 @@ def _export_lora(folder: Path, out_dir: Path, saved: dict, base: str | None, vis
         for local_name, full in _unstack(name, tensor):
             peft = lora.peft_name(local_name.removeprefix("language_model."), 0, vision_language)
             adapter[peft] = (full.to(getattr(torch, dtype)) if dtype else full).contiguous().clone()
-    lora.save_peft(out_dir / "adapter", adapter, settings, base_path)
+    lora.save_peft(out_dir / "adapter", adapter, settings, base_path, vision_language)
     auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     model = auto.from_pretrained(base_path, dtype=getattr(torch, dtype) if dtype else "auto")
     merged = PeftModel.from_pretrained(model, out_dir / "adapter").merge_and_unload()

@@ -236,10 +236,11 @@ def peft_name(name: str, layer_offset: int, vision_language: bool = False) -> st
     return f"base_model.model.{model}.layers.{layer}.{PROJECTIONS[proj][2]}.{proj}.lora_{which}.weight"
 
 
-def save_peft(folder, tensors: dict[str, torch.Tensor], settings: LoRASettings, base) -> None:
+def save_peft(folder, tensors: dict[str, torch.Tensor], settings: LoRASettings, base, vision_language: bool = False) -> None:
     """A PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) of the full adapter
     ``tensors`` (:meth:`~yatt_lightning.models.policy.MegatronPolicy.export_adapter`), for the model in
-    ``base``; ``peft`` and vLLM load it onto that model."""
+    ``base``; ``peft`` and vLLM load it onto that model. In a LLaVA the targets are the language model's
+    projections only (a pattern: the vision tower has projections of the same names)."""
     import json
     from pathlib import Path
 
@@ -252,5 +253,8 @@ def save_peft(folder, tensors: dict[str, torch.Tensor], settings: LoRASettings, 
         "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "bias": "none", "use_rslora": False,
         "target_modules": settings.targets(), "fan_in_fan_out": False, "inference_mode": True,
     }  # fmt: skip
+    if vision_language:
+        layers = r"model\.language_model\.layers\.\d+\.(self_attn|mlp)"
+        config["target_modules"] = rf"{layers}\.({'|'.join(settings.targets())})"
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))

@@ -181,7 +181,7 @@ class RolloutService:
             atexit.register(shutil.rmtree, self.adapter_root, True)
         folder = self.adapter_root / f"v{version}"
         shutil.rmtree(folder, ignore_errors=True)
-        save_peft(folder, adapter, lora, setup.engine.model_path)
+        save_peft(folder, adapter, lora, setup.engine.model_path, setup.policy.vision_language)
         self.engine.push_adapter(folder)
         for old in self.adapter_root.iterdir():  # the engine has read the new one by its next request
             if old != folder:
