@@ -14,10 +14,13 @@ is read from the runs' own TensorBoard files and checkpoints:
 - ``lora_logprob_diff``: the largest ``rollout/logprob_diff_max`` (engine vs Megatron policy, per token) of the
   LoRA run's steps after its first update (< 1e-3).
 
+Before the last line, a third run (10 steps, ``lora.merge: true``) against the LoRA run's first 10: seconds a
+step of the push and of the rollout after it, with the adapter pushed and with merged weights pushed.
+
     python bench/lora.py [--smoke]
 
-``--smoke`` (tests/test_benches.py): the tiny model, 2 SFT steps, 2 GRPO steps each (the gains mean nothing
-there; the bytes and the logprobs do).
+``--smoke`` (tests/test_benches.py): the tiny model, 2 SFT steps, 2 GRPO steps each, no merged run (the gains
+mean nothing there; the bytes and the logprobs do).
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ def main() -> None:
     full = fit("grpo_tiny", work / "full", *common, "--model.init_args.optimizer.lr", "3e-4")
     lora = fit("grpo_tiny", work / "lora", *common, "--model.init_args.optimizer.lr", "3e-3",
                "--model.init_args.lora", '{"rank": 8, "alpha": 16, "target_modules": "all-linear"}')  # fmt: skip
+    if not smoke:  # `lora.merge`: the same adapters pushed merged into the weights, for the push's cost
+        merged = fit("grpo_tiny", work / "merged", *common[:-1], "10", "--model.init_args.optimizer.lr", "3e-3",
+                     "--model.init_args.lora", '{"rank": 8, "alpha": 16, "target_modules": "all-linear", "merge": true}')  # fmt: skip
+        for name, run in (("adapter", lora), ("merged", merged)):
+            steps = range(1, 10)  # every step after a push: vLLM reads a new adapter at its first request
+            sync, roll = (sum(run[f"time/{t}"][k] for k in steps) / len(steps) for t in ("sync", "rollout"))
+            print(f"{name} push: {run['rollout/push_bytes'][-1]:.0f} bytes, {sync:.3f} s push + {roll:.3f} s rollout a "
+                  f"step (steps 2-10)")  # fmt: skip
     full_params, full_optimizer = checkpoint_sizes(work / "full")
     lora_params, lora_optimizer = checkpoint_sizes(work / "lora")
     trainable = lora["lora/trainable_params"][-1]
