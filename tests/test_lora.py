@@ -285,7 +285,7 @@ def test_sft_trains_adapters_and_saves_only_them(tmp_path):
     assert len(tensors := read_model_tensors(saved / ckpt.WEIGHTS)) == 14 and all(".lora." in k for k in tensors)
 
 
-def test_what_lora_does_not_run_yet_is_refused_before_start(tmp_path):
+def test_what_lora_cannot_run_is_refused_before_start(tmp_path):
     from tests.helpers import yatt_in_process
 
     config = str(REPO / "configs" / "grpo_lora_tiny.yaml")
@@ -295,3 +295,5 @@ def test_what_lora_does_not_run_yet_is_refused_before_start(tmp_path):
     assert code == 2 and "`model.lora` with `trainer.strategy.placement: PartialColocation` is not supported" in err, err
     code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.target_modules", "[qkv]"], cwd=tmp_path)
     assert code == 2 and "`model.lora.target_modules`: ['qkv'] is not a projection" in err, err
+    code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.rank", "100"], cwd=tmp_path)
+    assert code == 2 and "`model.lora.rank` (100) exceeds what k_proj of" in err and "rank at most 64" in err, err

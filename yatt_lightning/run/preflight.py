@@ -27,7 +27,7 @@ def check_run(model, datamodule, trainer) -> None:
     check_weights(path)
     tokenizer = load_tokenizer(path)
     if getattr(model, "lora", None) is not None:
-        check_lora(trainer)
+        check_lora(trainer, model.lora, arch, path)
     if not hasattr(model, "sampling"):  # a stage without a rollout (SFT, DPO): its rows, as it will read them
         check_writable(trainer)
         if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
@@ -58,8 +58,17 @@ def check_run(model, datamodule, trainer) -> None:
         check_data(model, datamodule, trainer, path, tokenizer)
 
 
-def check_lora(trainer) -> None:
-    """``model.lora``: what runs with adapters so far (issue 25)."""
+def check_lora(trainer, settings, arch: HFArch, path: Path) -> None:
+    """``model.lora``: a rank the targeted projections can hold, and a placement that runs adapters."""
+    from yatt_lightning.models.lora import full_shapes
+
+    shapes = full_shapes(arch)
+    proj = min(settings.targets(), key=lambda p: min(shapes[p]))
+    if settings.rank > min(shapes[proj]):
+        raise ValueError(
+            f"`model.lora.rank` ({settings.rank}) exceeds what {proj} of {path} can hold ({shapes[proj][0]} x "
+            f"{shapes[proj][1]}: rank at most {min(shapes[proj])}); lower it."
+        )
     placement = type(getattr(trainer.strategy, "placement", None)).__name__
     if placement not in ("FullColocation", "NoneType"):
         raise ValueError(
