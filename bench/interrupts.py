@@ -16,7 +16,7 @@ before M, having logged "interrupted: received SIGINT; saved step N", with ``lat
 
     python bench/interrupts.py [--interrupts 20] [--window 5] [--seed 0] [--smoke]
 
-``--smoke``: 2 interrupts (one after a save, one uniform within 2 s), M=30. Last line:
+``--smoke``: 2 interrupts (one after a save, one uniform within 2 s), M=20. Last line:
 ``interrupts=<k> stopped=<n> continued_to_max_steps=<n> latest_is_newest=<n> resumed_exactly=<n>
 bitwise_equal_final=<0|1>``; target: all equal to k, 0, and 1.
 """
@@ -106,7 +106,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.interrupts, args.window = 2, 2.0
-    max_steps = 30 if args.smoke else 8 * args.interrupts + 20  # room for every run to be interrupted
+    max_steps = 20 if args.smoke else 8 * args.interrupts + 20  # room for every run to be interrupted
     rng = random.Random(args.seed)
     sys.path.insert(0, str(REPO))
     from safetensors.torch import load_file

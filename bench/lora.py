@@ -19,8 +19,8 @@ step of the push and of the rollout after it, with the adapter pushed and with m
 
     python bench/lora.py [--smoke]
 
-``--smoke`` (tests/test_benches.py): the tiny model, 2 SFT steps, 2 GRPO steps each, no merged run (the gains
-mean nothing there; the bytes and the logprobs do).
+``--smoke`` (tests/test_benches.py): the random tiny model as the base (no SFT), 2 GRPO steps each, no merged
+run (the gains mean nothing there; the bytes and the logprobs do).
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ def gain(rewards: list[float]) -> float:
 def main() -> None:
     smoke = pop_smoke(sys.argv)
     work = Path(tempfile.mkdtemp(prefix="yatt-lora-"))
-    model, sft_steps, rl_steps = ("builtin:tiny-qwen2", 2, 2) if smoke else ("builtin:small4-qwen2", 6, 40)
-    fit("sft_tiny", work / "sft", "--model.init_args.policy.path", model, "--trainer.max_steps", str(sft_steps),
-        "--data.init_args.val_task", "null", "--trainer.num_sanity_val_steps", "0")  # fmt: skip
-    base = str(work / "sft" / "sft_tiny" / "checkpoints")
+    base, rl_steps = "builtin:tiny-qwen2", 2  # the smoke size: the random tiny model, no SFT
+    if not smoke:
+        fit("sft_tiny", work / "sft", "--model.init_args.policy.path", "builtin:small4-qwen2", "--trainer.max_steps", "6",
+            "--data.init_args.val_task", "null", "--trainer.num_sanity_val_steps", "0")  # fmt: skip
+        base, rl_steps = str(work / "sft" / "sft_tiny" / "checkpoints"), 40
     common = ["--model.init_args.policy.path", base, "--trainer.max_steps", str(rl_steps)]
     full = fit("grpo_tiny", work / "full", *common, "--model.init_args.optimizer.lr", "3e-4")
     lora = fit("grpo_tiny", work / "lora", *common, "--model.init_args.optimizer.lr", "3e-3",

@@ -308,11 +308,12 @@ def test_deterministic_agent_runs_resume_bitwise_and_tp2_and_dp2_episodes_match_
     wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
 
-    two = ["--trainer.devices=2", "--trainer.enable_checkpointing=false"]
+    two = ["--trainer.devices=2", "--trainer.enable_checkpointing=false", "--trainer.max_steps=3"]  # 3 steps suffice
     assert fit(tp, *two, "--trainer.strategy.init_args.tensor_model_parallel_size=2").returncode == 0
     assert fit(dp, *two, batch=4).returncode == 0
     t, d = records(tp), records(dp)
-    for step in a:
+    assert sorted(t) == sorted(d) == [0, 1, 2]
+    for step in t:
         assert t[step]["completions"] == a[step]["completions"], f"TP=2, step {step}: other episodes"
         pairs = [p + [-1] + c for p, c in zip(a[step]["prompts"], a[step]["completions"], strict=True)]
         mine = [p + [-1] + c for p, c in zip(d[step]["prompts"], d[step]["completions"], strict=True)]

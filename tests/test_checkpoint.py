@@ -220,10 +220,10 @@ def test_a_save_after_a_round_without_an_update_onloads_the_policy_and_resumes_b
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_path):
-    """SIGKILL between two optimizer steps, while the writers run, and between the manifest and the rename.
-    Each time `latest` names an intact checkpoint, it is the newest one that was reported saved, the
-    resumed run starts there, and the end result equals an uninterrupted run. (A kill at a uniform moment,
-    mostly in a rollout, and one in the finalisation window: bench/kill_resume.py's smoke size.)"""
+    """SIGKILL between two optimizer steps and while the writers run. Each time `latest` names an intact
+    checkpoint, it is the newest one that was reported saved, the resumed run starts there, and the end result
+    equals an uninterrupted run. (A kill at a uniform moment, mostly in a rollout, and one in the finalisation
+    window between the manifest and the rename: bench/kill_resume.py's smoke size.)"""
     common = ["--trainer.max_steps", "10", "--model.mini_batches", "2"]  # 2 optimizer steps per RL step
     whole = tmp_path / "whole"
     _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 2))
@@ -232,7 +232,7 @@ def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_pat
     saver = _saver(out / "ckpts", 2)
     reported: list[int] = []
     resume: list[str] = []
-    for fault in ("train:4", "save:6", "finalize:8"):
+    for fault in ("train:4", "save:6"):
         log = _faults(out, "--kill", fault, *common, "--trainer.callbacks", saver, *resume, expect_kill=True)
         if resume:
             assert _resumed_step(log) == max(reported, default=0)

@@ -288,12 +288,14 @@ def test_sft_trains_adapters_and_saves_only_them(tmp_path):
 def test_what_lora_cannot_run_is_refused_before_start(tmp_path):
     from tests.helpers import yatt_in_process
 
-    config = str(REPO / "configs" / "grpo_lora_tiny.yaml")
-    placement = "yatt_lightning.placement.PartialColocation"
-    code, err = yatt_in_process(["fit", "--config", config, "--trainer.devices", "2", "--trainer.strategy.placement", placement],
-                                cwd=tmp_path)  # fmt: skip
+    def fit(*lora: str, more: tuple[str, ...] = ()) -> tuple[int, str]:  # the tiny model: nothing to build
+        config = ["--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--model.init_args.lora", *lora]
+        return yatt_in_process(["fit", *config, *more], cwd=tmp_path)
+
+    placement = ("--trainer.devices", "2", "--trainer.strategy.placement", "yatt_lightning.placement.PartialColocation")
+    code, err = fit('{"rank": 8}', more=placement)
     assert code == 2 and "`model.lora` with `trainer.strategy.placement: PartialColocation` is not supported" in err, err
-    code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.target_modules", "[qkv]"], cwd=tmp_path)
+    code, err = fit('{"target_modules": ["qkv"]}')
     assert code == 2 and "`model.lora.target_modules`: ['qkv'] is not a projection" in err, err
-    code, err = yatt_in_process(["fit", "--config", config, "--model.init_args.lora.rank", "100"], cwd=tmp_path)
+    code, err = fit('{"rank": 100}')
     assert code == 2 and "`model.lora.rank` (100) exceeds what k_proj of" in err and "rank at most 64" in err, err

@@ -146,17 +146,20 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_stage_layouts_reach_one_process_losses_and_weights(stage, tmp_path):
+@pytest.mark.parametrize("stage, layouts", [("sft", ["dp2", "pp2"]), ("dpo", ["dp2", "tp2"])])
+def test_stage_layouts_reach_one_process_losses_and_weights(stage, layouts, tmp_path):
     """3 steps of configs/sft_tiny.yaml and configs/dpo_tiny.yaml (their held-out figures before training
-    included) under TP=2, PP=2 and DP=2 give one process's losses and, to Adam's float noise, its weights:
-    the loss is averaged per token (SFT) or per pair (DPO) over the whole global batch."""
+    included) under DP=2 and PP=2 (SFT) or TP=2 (DPO) give one process's losses and, to Adam's float noise, its
+    weights: the loss is averaged per token (SFT) or per pair (DPO) over the whole global batch. (The stages
+    share their micro-batches and figures' reduction, so each layout runs under one of them; the policy under
+    every layout: tests/test_parallel.py.)"""
     common = ["--trainer.max_steps", "3", "--trainer.callbacks", "[]"]
     _stage_run(tmp_path / "one", stage, *common)
     base_w, base_s = _weights(tmp_path / "one"), read_scalars(tmp_path / "one" / "tb")
     tags = ["sft/loss", "sft/grad_norm", "sft/val_loss"] if stage == "sft" else [
         "dpo/loss", "dpo/accuracy", "dpo/reward_margin", "dpo/chosen_logprob", "dpo/grad_norm", "dpo/val_loss"]  # fmt: skip
-    for name, layout in LAYOUTS.items():
+    for name in layouts:
+        layout = LAYOUTS[name]
         _stage_run(tmp_path / name, stage, *common, "--trainer.devices", "2", *layout)
         w, s = _weights(tmp_path / name), read_scalars(tmp_path / name / "tb")
         assert w.keys() == base_w.keys()
