@@ -44,10 +44,3 @@ def tiny_model_path() -> Path:
 @pytest.fixture
 def python() -> str:
     return sys.executable
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """End-to-end (``slow``) tests first, then multi-process ones, then the rest, each group in file order: under
-    ``-n 2 --dist worksteal`` the suite then ends on short tests, not with one worker idle while the other runs
-    a two-minute test (4.5 minutes of a 31-minute run were such a tail)."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("distributed") else 2)
