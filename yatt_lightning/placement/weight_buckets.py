@@ -178,18 +178,10 @@ def pack(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list
     return entries, [bucket for bucket, _ in fill(named, entries, sizes, new)]
 
 
-def end_byte(e: Entry) -> int:
-    """One past the last byte of its bucket that entry ``e``'s tensor reads."""
-    if e.stride is None or not e.nbytes:
-        return e.offset + e.nbytes
-    itemsize = e.dtype.itemsize
-    return e.offset + (sum((size - 1) * stride for size, stride in zip(e.shape, e.stride, strict=True)) + 1) * itemsize
-
-
-def parts(bucket: torch.Tensor, part_bytes: int) -> list[torch.Tensor]:
-    """``bucket`` as the consecutive slices of at most ``part_bytes`` it travels in (one broadcast each), so
-    that the receiver can use the first tensors while the rest arrive. Both ends split alike."""
-    return list(bucket.split(part_bytes)) if bucket.numel() > part_bytes else [bucket]
+def parts(bucket: torch.Tensor, part_bytes: int | None) -> list[torch.Tensor]:
+    """``bucket`` as the consecutive slices of at most ``part_bytes`` it travels in (one broadcast each; None:
+    whole). Both ends split alike."""
+    return list(bucket.split(part_bytes)) if part_bytes is not None and bucket.numel() > part_bytes else [bucket]
 
 
 def unpack(entries: list[Entry], buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

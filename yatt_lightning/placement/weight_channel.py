@@ -3,7 +3,13 @@
 One trainer (global rank 0, the head of data-parallel rank 0's model-parallel group) broadcasts on a
 group of itself and the rollout ranks. Every message starts with a fixed-size header (kind, version, the
 trainer's consumed step, the size of what follows); a rollout rank receives them on a thread and takes what
-has arrived between its own steps. A ``WEIGHTS`` message then carries its tensor index (only
+has arrived between its own steps. The buckets travel on a second group of the same ranks (``data_group``),
+where each rollout rank keeps the receives of the next version posted from the moment the last one started
+arriving: a version's bytes move as soon as the trainer posts them, not a header's round trip later (the
+cost: the next version's buffers, one more copy of the weights in the rollout rank's host memory; the
+trainer sends zeros into receives that the next message cannot use: a new index, ``END``, ``FAILURE``). The
+rollout rank renames a version to the engine's names when it takes it (:meth:`WeightReceiver.take`). A
+``WEIGHTS`` message then carries its tensor index (only
 when it differs from the last one sent: a policy's names and shapes do not change from version to
 version, so the header's size is ``SAME_INDEX`` and the buckets follow it at once) and the buckets, one
 broadcast each (:mod:`~yatt_lightning.placement.weight_buckets`: packed; with ``direct_bytes``, large
@@ -18,7 +24,7 @@ different parallelism. The destination here is a vLLM engine, which loads Huggin
 own loader (``reload_weights``), so the trainer exports Hugging Face tensors once (TP shards gathered) and
 broadcasts them; vLLM shards them for its own tensor parallelism. A trainer of one model-parallel rank
 sends its parameters as they are instead (one storage, one message) with the renaming to Hugging Face
-names (:class:`~yatt_lightning.models.hf_names.HFNames`), which the rollout rank applies on receipt.
+names (:class:`~yatt_lightning.models.hf_names.HFNames`), which the rollout rank applies as it takes a version.
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import torch
 
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import RankFailure
-from yatt_lightning.placement.weight_buckets import BufferPool, end_byte, fill, layout, parts, unpack
+from yatt_lightning.placement.weight_buckets import BufferPool, fill, layout, parts, unpack
 
 WEIGHTS, ACK, DECISION, FAILURE, END = 1, 0, 2, 3, 4
 SAME_INDEX = -1  # a WEIGHTS header's size: the index is the one of the last WEIGHTS message
 FIRST_BUCKET = 1 << 20  # bytes; each next packed bucket may be twice the one before, up to ``bucket_bytes``
-PART = 8 << 20  # bytes: a larger bucket travels in parts of this size (the receiver renames the first
-# tensors while the rest arrive; each broadcast costs ~0.25 ms here)
+PART = None  # bytes: a bucket may travel in parts of this size (None: whole). Parts let a receiver use the
+# first tensors while the rest arrive, but each costs a broadcast, and while its renaming ran on the receiving
+# thread the transfer of a 46 MiB message in 8 MiB parts took ~3 ms more than one broadcast (2026-12-05)
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,13 @@ class WeightPublisher:
     bucket as it is sent, against the first version's index."""
 
     def __init__(
-        self, group, src: int, bucket_bytes: int, direct_bytes: int | None = None, part_bytes: int = PART
-    ) -> None:
+        self, group, src: int, bucket_bytes: int, direct_bytes: int | None = None, part_bytes: int | None = PART,
+        data_group=None,
+    ) -> None:  # fmt: skip
         self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
         self.part_bytes = part_bytes  # the receivers' must be the same
+        self.data_group = data_group  # the buckets' group, where the receivers post ahead (None: ``group``)
+        self.posted: list[int] | None = None  # the bucket sizes the receivers have their next receives posted for
         self.pending: list = []  # (works, tensor, kind): a "packed" bucket the pool reuses once sent, a "direct"
         # storage (the trainer's own: it waits before changing it) or a "message" (header, index)
         self.pool = BufferPool()  # packed buckets already sent, refilled by the next version (same layout)
@@ -109,10 +119,13 @@ class WeightPublisher:
                 body, header_size = b"", SAME_INDEX
             else:
                 self._sent_index, body = index, pickle.dumps(index)
+                self._fill_posted()  # posted for the old index's buckets
         elif kind == DECISION:
             body = pickle.dumps(decision)
         else:
             body = cause.encode()
+            if kind in (END, FAILURE):  # the receivers' thread ends at this message
+                self._fill_posted()
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
         header = torch.tensor([kind, version, consumed, payload.numel() if header_size is None else header_size], dtype=torch.int64)
         with wire.category("weights"):
@@ -123,12 +136,21 @@ class WeightPublisher:
                 self.sent_bytes = sum(sizes)
                 checked = not isinstance(named, list)  # a list's index was just taken of it
                 for bucket, packed in fill(named, entries, sizes, self.pool.get, checked):  # bucket k is on the wire
-                    self._send(bucket, "packed" if packed else "direct")  # while k + 1 fills
+                    self._send(bucket, "packed" if packed else "direct", data=True)  # while k + 1 fills
+                if self.data_group is not None:
+                    self.posted = list(sizes)  # the receivers post the next version's receives now
         return time.perf_counter() - t0
 
-    def _send(self, tensor: torch.Tensor, kind: str = "message") -> None:
+    def _fill_posted(self) -> None:
+        """Zeros into the receives the rollout ranks posted ahead, which the next message does not fill."""
+        for size in self.posted or []:
+            self._send(torch.zeros(size, dtype=torch.uint8), data=True)
+        self.posted = None
+
+    def _send(self, tensor: torch.Tensor, kind: str = "message", data: bool = False) -> None:
+        group = self.data_group if data and self.data_group is not None else self.group
         if tensor.numel():
-            works = [torch.distributed.broadcast(part, src=self.src, group=self.group, async_op=True)
+            works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True)
                      for part in parts(tensor, self.part_bytes)]  # fmt: skip
             self.pending.append((works, tensor, kind))
 
@@ -179,11 +201,14 @@ class WeightReceiver:
     (``direct_bytes``), never waits for the rollout rank's next poll. The thread blocks in gloo (the GIL
     released) between messages and ends at the trainer's ``END`` or ``FAILURE``."""
 
-    def __init__(self, group, src: int, part_bytes: int = PART) -> None:
+    def __init__(self, group, src: int, part_bytes: int | None = PART, data_group=None) -> None:
         self.group, self.src, self.part_bytes = group, src, part_bytes
+        self.data_group = data_group  # the buckets' group (None: ``group``, nothing posted ahead)
+        self._ahead: tuple | None = None  # (buckets, parts, works): the next version's receives, posted
         self.state = Received()
         self.pool = BufferPool()  # buckets of versions the engine has copied in (the thread takes from it)
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
+        self.renames: dict[int, object] = {}  # version -> the renaming its tensors need (None: none)
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
         self.index: tuple = ([], [], None)  # of the last WEIGHTS message: entries, sizes, rename
         self._arrived: queue.Queue = queue.Queue()  # (kind, version, consumed, what) in order of arrival
@@ -203,42 +228,47 @@ class WeightReceiver:
                     what = payload.numpy().tobytes()
                     if kind == WEIGHTS:
                         if size != SAME_INDEX:
+                            self._drain_ahead()  # posted for the old index: the trainer fills them with zeros
                             self.index = pickle.loads(what)
                         entries, sizes, rename = self.index
-                        buckets = [self.pool.get(size) for size in sizes]
-                        what = self._weights(entries, buckets, rename)
+                        receives, self._ahead = self._ahead or self._post(sizes), None
+                        if self.data_group is not None:  # the next version's, while this one's bytes arrive (the
+                            self._ahead = self._post(sizes)  # rank then takes this one without waiting for the GIL)
+                        what = self._weights(entries, receives, rename)
                 self._arrived.put((kind, version, consumed, what))
                 if kind in (END, FAILURE):
+                    with wire.category("weights"):
+                        self._drain_ahead()
                     return
         except Exception as err:  # the channel broke (the trainer died): the rank raises it at its next poll
             self._arrived.put((FAILURE, -1, -1, f"{type(err).__name__}: {err}".encode()))
 
-    def _weights(self, entries, buckets, rename) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-        """Receive a version's buckets (every part posted at once: they stream without a round trip each)
-        and, with ``rename``, rename each tensor as soon as the parts holding its bytes have arrived.
-        Returns the engine's tensors and the buffers they view (reused once the engine took them)."""
+    def _post(self, sizes: list[int]) -> tuple[list[torch.Tensor], list, list]:
+        """Receives for a version's buckets, every part posted at once (they stream without a round trip each)."""
+        buckets = [self.pool.get(size) for size in sizes]
         posted = [(b, part) for b, bucket in enumerate(buckets) for part in parts(bucket, self.part_bytes)]
-        works = [torch.distributed.broadcast(part, src=self.src, group=self.group, async_op=True) for _, part in posted]
-        named = unpack(entries, buckets)  # views, read once their parts have arrived
-        if rename is None:
+        group = self.group if self.data_group is None else self.data_group
+        works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True) for _, part in posted]
+        return buckets, posted, works
+
+    def _drain_ahead(self) -> None:
+        if self._ahead is not None:
+            buckets, _, works = self._ahead
+            self._ahead = None
             for work in works:
                 work.wait()
-            return named, buckets
-        first: dict[int, int] = {}  # bucket -> the position of its first part in ``works``
-        for i, (b, _) in enumerate(posted):
-            first.setdefault(b, i)
-        needs = [first[e.bucket] + (end_byte(e) - 1) // self.part_bytes for e in entries]  # the part holding its last byte
-        out: list = [None] * len(entries)
-        arrived = 0
-        for i in sorted(range(len(entries)), key=needs.__getitem__):
-            while arrived <= needs[i]:
-                works[arrived].wait()
-                arrived += 1
-            out[i], copies = renamed([named[i]], rename, self.pool)
-            buckets = buckets + copies  # reused with the buckets once the engine took them
-        for work in works[arrived:]:
+            self.pool.put(buckets)
+
+    def _weights(self, entries, receives, rename) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor], object]:
+        """Receive a version's buckets (``receives``: :meth:`_post`'s). Returns the trainer's tensors (views of
+        the buckets), the buckets (reused once the engine took them) and ``rename``, which :meth:`take` applies:
+        the renaming's copies run on the rank's own thread as its engine takes the version, not on this one
+        while the bytes arrive (on a machine of few cores they slowed the transfer down)."""
+        buckets, _, works = receives
+        named = unpack(entries, buckets)  # views, read once the bytes have arrived
+        for work in works:
             work.wait()
-        return [pair for pairs in out for pair in pairs], buckets
+        return named, buckets, rename
 
     def poll(self, block_s: float = 0.0) -> bool:
         """Take every message that has arrived (waiting up to ``block_s`` for the first); True if any did."""
@@ -256,7 +286,8 @@ class WeightReceiver:
             if kind == DECISION:
                 self.state.decisions.append(pickle.loads(what))
             if kind == WEIGHTS:
-                self.state.versions[version], self.buckets[version] = what
+                self.state.versions[version], buckets, rename = what
+                self.buckets[version], self.renames[version] = buckets, rename
                 self.state.latest = max(self.state.latest, version)
             self.state.ended = self.state.ended or kind == END
             self.state.consumed = max(self.state.consumed, consumed)
@@ -275,14 +306,20 @@ class WeightReceiver:
         return time.monotonic() - t0
 
     def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
-        """Version ``version``'s tensors; older versions are forgotten. The engine copies them in (vLLM's weight
-        loaders do) before the next ``take``, which then reuses their buckets for a later version."""
+        """Version ``version``'s tensors under the engine's names; older versions are forgotten. The engine
+        copies them in (vLLM's weight loaders do) before the next ``take``, which then reuses their buckets
+        (and the renaming's copies) for a later version."""
         named = self.state.versions[version]
         self.state.versions = {v: t for v, t in self.state.versions.items() if v > version}
         self.pool.put(self.spent)  # the version taken before: the engine has copied it in
         self.spent = self.buckets.pop(version, [])
+        rename = self.renames.pop(version, None)
         for old in [v for v in self.buckets if v < version]:  # never taken
             self.pool.put(self.buckets.pop(old))
+            self.renames.pop(old, None)
+        if rename is not None:
+            named, copies = renamed(named, rename, self.pool)
+            self.spent = self.spent + copies
         return named
 
     def join(self, timeout_s: float) -> None:
