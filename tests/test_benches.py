@@ -51,10 +51,9 @@ RUN_ELSEWHERE = {
 def check(name: str, figures: dict[str, float]) -> None:
     """What must hold even at the smoke size (the full size's targets are in bench/RESULTS.md)."""
     f = figures
-    if name == "agentic.py":  # 8 steps cannot show learning; what must hold: exact tokens, the engine's
+    if name == "agentic.py":  # no learning runs at this size (nan); what must hold: exact tokens, the engine's
         # logprobs on multi-turn episodes, and answers hidden behind generation (64 episodes, 0.1 s each)
         assert f["exact"] == 1 and f["diff"] < 1e-3 and f["overlap"] < 0.5
-        assert abs(f["gain"]) < 1 and abs(f["off"]) < 1
     elif name == "algorithms.py":  # every algorithm's tiny config, 20 RL steps: each raises the task reward
         assert f["total"] == 7 and f["learned"] == f["total"]
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are

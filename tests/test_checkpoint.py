@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import SCRIPTS, run, run_script, yatt
+from tests.helpers import SCRIPTS, run, run_script, yatt, yatt_in_process
 from yatt_lightning.checkpoint import folder as ckpt
 
 # ----------------------------------------------------------------------------------------- tier 1
@@ -220,31 +220,23 @@ def test_a_save_after_a_round_without_an_update_onloads_the_policy_and_resumes_b
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_path):
-    """SIGKILL between two optimizer steps and while the writers run. Each time `latest` names an intact
-    checkpoint, it is the newest one that was reported saved, the resumed run starts there, and the end result
-    equals an uninterrupted run. (A kill at a uniform moment, mostly in a rollout, and one in the finalisation
-    window between the manifest and the rename: bench/kill_resume.py's smoke size.)"""
+    """SIGKILL while the writers run. `latest` names an intact checkpoint, the newest one that was reported
+    saved, the resumed run starts there, and the end result equals an uninterrupted run. (A kill at a uniform
+    moment, mostly in a rollout, and one in the finalisation window between the manifest and the rename:
+    bench/kill_resume.py's smoke size; one between two optimizer steps: tests/test_lora.py's killed run.)"""
     common = ["--trainer.max_steps", "10", "--model.mini_batches", "2"]  # 2 optimizer steps per RL step
     whole = tmp_path / "whole"
     _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 2))
 
     out = tmp_path / "chain"
     saver = _saver(out / "ckpts", 2)
-    reported: list[int] = []
-    resume: list[str] = []
-    for fault in ("train:4", "save:6"):
-        log = _faults(out, "--kill", fault, *common, "--trainer.callbacks", saver, *resume, expect_kill=True)
-        if resume:
-            assert _resumed_step(log) == max(reported, default=0)
-        reported += _saved_steps(log)
-        latest = ckpt.tracked(out / "ckpts")
-        if reported:
-            assert latest is not None and latest.name == ckpt.checkpoint_name(max(reported)), fault
-            assert ckpt.verify(latest) == []
-        else:  # killed before the first background save was finalised: nothing was claimed, nothing is tracked
-            assert latest is None
-        resume = ["--ckpt_path", "last"]
-    log = _faults(out, *common, "--trainer.callbacks", saver, *resume)
+    log = _faults(out, "--kill", "save:6", *common, "--trainer.callbacks", saver, expect_kill=True)
+    reported = _saved_steps(log)
+    assert reported, "the saves before step 6 were reported"
+    latest = ckpt.tracked(out / "ckpts")
+    assert latest is not None and latest.name == ckpt.checkpoint_name(max(reported))
+    assert ckpt.verify(latest) == []
+    log = _faults(out, *common, "--trainer.callbacks", saver, "--ckpt_path", "last")
     assert _resumed_step(log) == max(reported)
     a, b = _weights(whole), _weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -253,8 +245,8 @@ def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_pat
     newest = ckpt.tracked(out / "ckpts")
     shard = sorted((newest / "weights").glob("__0_*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = yatt(["export", "--ckpt_dir", str(newest), "--out", str(tmp_path / "x")], cwd=tmp_path, check=False)
-    assert proc.returncode != 0 and f"{shard}: 100 bytes, the manifest says" in proc.stderr
+    code, out_ = yatt_in_process(["export", "--ckpt_dir", str(newest), "--out", str(tmp_path / "x")], cwd=tmp_path)
+    assert code != 0 and f"{shard}: 100 bytes, the manifest says" in out_
     more = ["--trainer.max_steps", "14", "--model.mini_batches", "2", "--trainer.callbacks", saver]
     proc = run(
         [sys.executable, str(SCRIPTS / "faults.py"), str(out), *more, "--ckpt_path", str(newest)],

@@ -56,14 +56,6 @@ def test_full_and_partial_colocation_score_every_sample_once_and_agree(tmp_path)
         assert a == pytest.approx(b, abs=1e-6), tag
 
 
-def test_partial_colocation_over_provisioning_scores_only_kept_groups(tmp_path):
-    out = tmp_path / "op"
-    _run(out, PARTIAL, "--model.long_tail", "yatt_lightning.rollout.longtail.OverProvision", "--model.long_tail.extra", "0.6")
-    kept, scored = _ids(out, "kept_rank*.jsonl"), _ids(out, "scored_rank*.jsonl")
-    assert sum(kept.values()) == 3 * 2 * 5 * 8  # floor(8 / 1.6) = 5 groups kept per rank and step
-    assert scored == kept
-
-
 def test_partial_colocation_with_two_judge_ranks_per_rollout_rank(tmp_path):
     """3 processes, one rollout rank: each judge rank gets its own groups back scored, none is lost."""
     out = tmp_path / "uneven"
@@ -79,12 +71,18 @@ def test_partial_colocation_with_two_judge_ranks_per_rollout_rank(tmp_path):
     } == {64}
 
 
-def test_a_failing_judge_under_on_error_zero_scores_zero_and_counts(tmp_path):
-    out = tmp_path / "zero"
-    _run(out, PARTIAL, "--trainer.max_steps", "2", env={"JUDGE_FAILS": "1", "JUDGE_ON_ERROR": "zero"})
+def test_over_provisioning_judges_only_kept_groups_and_a_failing_judge_under_on_error_zero_counts(tmp_path):
+    """Partial colocation with over-provisioning (extra 0.6) and a judge that fails under ``on_error: zero``:
+    the judge is asked about the kept groups only, and each of their samples scores 0 and is counted."""
+    out = tmp_path / "op"
+    _run(out, PARTIAL, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.rollout.longtail.OverProvision",
+         "--model.long_tail.extra", "0.6", env={"JUDGE_FAILS": "1", "JUDGE_ON_ERROR": "zero"})  # fmt: skip
+    kept, scored = _ids(out, "kept_rank*.jsonl"), _ids(out, "scored_rank*.jsonl")
+    assert sum(kept.values()) == 2 * 2 * 5 * 8  # floor(8 / 1.6) = 5 groups kept per rank and step
+    assert scored == kept
     curves = read_scalars(out / "tb")
     assert {v for _, v in curves["reward/judge/mean"]} == {0.0}
-    assert [v for _, v in curves["reward/judge/errors"]] == [128.0, 128.0]  # 2 ranks x 8 prompts x 8 samples
+    assert [v for _, v in curves["reward/judge/errors"]] == [80.0, 80.0]  # 2 ranks x 5 kept groups x 8 samples
 
 
 def test_a_failing_judge_stops_both_ranks_with_its_error(tmp_path):

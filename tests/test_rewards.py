@@ -39,6 +39,29 @@ def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
         fn(["what is 2+2"], ["four"], [{"prompt": "what is 2+2", "_source": "data.jsonl:3"}])
 
 
+BAD_REWARDS = {
+    "raises": ("return 1 / 0", r"reward function rw_bad\.score raised ZeroDivisionError: division by zero on sample"),
+    "returns NaN": ("return float('nan')", r"reward function rw_bad\.score returned nan \(not a finite number\)"),
+    "returns a string": ("return 'good'", r"reward function rw_bad\.score returned 'good' \(not a finite number\)"),
+    "returns None": ("return None", r"reward function rw_bad\.score returned None \(not a finite number\)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REWARDS)
+def test_a_reward_that_fails_names_the_function_the_value_and_the_sample(name, tmp_path, monkeypatch):
+    """What the user reads when their reward fails at run time (tests/test_bad_input.py runs one through
+    ``yatt fit``: the same error reaches one screen)."""
+    import sys
+
+    body, match = BAD_REWARDS[name]
+    (tmp_path / "rw_bad.py").write_text(f"def score(prompt, completion, **row):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rw_bad", raising=False)
+    with pytest.raises(RewardError, match=match) as err:
+        RuleReward("rw_bad.score")(["after f comes"], ["g h"], [{"prompt": "after f comes", "_source": "d.jsonl:2"}])
+    assert "'after f comes'" in str(err.value) and "d.jsonl:2" in str(err.value)
+
+
 def test_reward_returning_nan_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "nan_rewards.py").write_text("def nan(prompt, completion, **row):\n    return float('nan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
