@@ -25,7 +25,7 @@ Figures (means over the steps after ``--warmup``; throughput = samples / wall ti
   the engine's names, ~3 ms here) is the start of the engine's apply, counted in R (``time/sync``) and
   printed beside;
 * ``push_over_vllm_load`` = after the colocated run, one colocated push (export + the engine's reload) /
-  the engine's reload of the same tensors, already exported (best of 7 alternating pairs).
+  the engine's reload of the same tensors, already exported (best of 30 alternating pairs).
 
     python bench/async_rl.py [--smoke] [--steps 30] [--prompts 2] [--samples 6] [--tokens 240] [--warmup 2]
 
@@ -162,7 +162,8 @@ def _publish_over_bare(strategy, module) -> dict:
 def _push_over_load(strategy, module) -> dict:
     """A colocated push (export + the engine's reload) against the reload of the same exported tensors."""
     engine, pushes, loads = strategy.engine, [], []
-    for _ in range(7):  # alternating, best of each: the push includes the reload, so noise only adds to either
+    for _ in range(REPEATS):  # alternating, best of each: the push includes the reload, so noise only adds to
+        # either (best of 7 gave 0.499 once in CI beside the other worker, 2026-12-05: a push "faster" than its load)
         t0 = time.perf_counter()
         engine.push_weights(module.policy.export_hf())
         pushes.append(time.perf_counter() - t0)

@@ -59,7 +59,9 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "async_rl.py":  # tiny model, 4 measured steps, often beside another test: timing ratios are
         # noise here (bench/RESULTS.md has the full size); what must hold is the structure of the runs
         assert 1.0 <= f["bound"] <= 2.0 and f["x"] > 0.5 and abs(f["gap"]) < 0.2
-        assert f["v"] > 0.8 and f["u"] > 0.8  # a publish moves its bytes and more; a push includes vLLM's load
+        # a publish moves its bytes and more; a push includes vLLM's load (a push that loaded nothing would
+        # give ~0; the tiny model's loads take milliseconds, so the other worker's load moves both figures)
+        assert f["v"] > 0.8 and f["u"] > 0.6
     elif name == "controller_scaling.py":
         assert f["data"] < 0.3 and 0 < f["total"] <= 1
     elif name == "dp_balance.py":
