@@ -204,7 +204,7 @@ class WeightReceiver:
     def __init__(self, group, src: int, part_bytes: int | None = PART, data_group=None) -> None:
         self.group, self.src, self.part_bytes = group, src, part_bytes
         self.data_group = data_group  # the buckets' group (None: ``group``, nothing posted ahead)
-        self._ahead: tuple | None = None  # (buckets, parts, works): the next version's receives, posted
+        self._ahead: tuple | None = None  # (buckets, works): the next version's receives, posted
         self.state = Received()
         self.pool = BufferPool()  # buckets of versions the engine has copied in (the thread takes from it)
         self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
@@ -243,17 +243,17 @@ class WeightReceiver:
         except Exception as err:  # the channel broke (the trainer died): the rank raises it at its next poll
             self._arrived.put((FAILURE, -1, -1, f"{type(err).__name__}: {err}".encode()))
 
-    def _post(self, sizes: list[int]) -> tuple[list[torch.Tensor], list, list]:
+    def _post(self, sizes: list[int]) -> tuple[list[torch.Tensor], list]:
         """Receives for a version's buckets, every part posted at once (they stream without a round trip each)."""
         buckets = [self.pool.get(size) for size in sizes]
-        posted = [(b, part) for b, bucket in enumerate(buckets) for part in parts(bucket, self.part_bytes)]
         group = self.group if self.data_group is None else self.data_group
-        works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True) for _, part in posted]
-        return buckets, posted, works
+        works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True)
+                 for bucket in buckets for part in parts(bucket, self.part_bytes)]  # fmt: skip
+        return buckets, works
 
     def _drain_ahead(self) -> None:
         if self._ahead is not None:
-            buckets, _, works = self._ahead
+            buckets, works = self._ahead
             self._ahead = None
             for work in works:
                 work.wait()
@@ -264,7 +264,7 @@ class WeightReceiver:
         the buckets), the buckets (reused once the engine took them) and ``rename``, which :meth:`take` applies:
         the renaming's copies run on the rank's own thread as its engine takes the version, not on this one
         while the bytes arrive (on a machine of few cores they slowed the transfer down)."""
-        buckets, _, works = receives
+        buckets, works = receives
         named = unpack(entries, buckets)  # views, read once the bytes have arrived
         for work in works:
             work.wait()
