@@ -84,7 +84,8 @@ class WeightPublisher:
     ) -> None:  # fmt: skip
         self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
         self.part_bytes = part_bytes  # the receivers' must be the same
-        self.data_group = data_group  # the buckets' group, where the receivers post ahead (None: ``group``)
+        self.ahead = data_group is not None  # the receivers post the next version's receives ahead
+        self.data_group = group if data_group is None else data_group  # the buckets' group
         self.posted: list[int] | None = None  # the bucket sizes the receivers have their next receives posted for
         self.pending: list = []  # (works, tensor, kind): a "packed" bucket the pool reuses once sent, a "direct"
         # storage (the trainer's own: it waits before changing it) or a "message" (header, index)
@@ -137,7 +138,7 @@ class WeightPublisher:
                 checked = not isinstance(named, list)  # a list's index was just taken of it
                 for bucket, packed in fill(named, entries, sizes, self.pool.get, checked):  # bucket k is on the wire
                     self._send(bucket, "packed" if packed else "direct", data=True)  # while k + 1 fills
-                if self.data_group is not None:
+                if self.ahead:
                     self.posted = list(sizes)  # the receivers post the next version's receives now
         return time.perf_counter() - t0
 
@@ -148,7 +149,7 @@ class WeightPublisher:
         self.posted = None
 
     def _send(self, tensor: torch.Tensor, kind: str = "message", data: bool = False) -> None:
-        group = self.data_group if data and self.data_group is not None else self.group
+        group = self.data_group if data else self.group
         if tensor.numel():
             works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True)
                      for part in parts(tensor, self.part_bytes)]  # fmt: skip
@@ -203,12 +204,13 @@ class WeightReceiver:
 
     def __init__(self, group, src: int, part_bytes: int | None = PART, data_group=None) -> None:
         self.group, self.src, self.part_bytes = group, src, part_bytes
-        self.data_group = data_group  # the buckets' group (None: ``group``, nothing posted ahead)
+        self.ahead = data_group is not None  # the next version's receives are posted ahead
+        self.data_group = group if data_group is None else data_group  # the buckets' group
         self._ahead: tuple | None = None  # (buckets, works): the next version's receives, posted
         self.state = Received()
         self.pool = BufferPool()  # buckets of versions the engine has copied in (the thread takes from it)
-        self.buckets: dict[int, list[torch.Tensor]] = {}  # version -> the buckets its tensors view
-        self.renames: dict[int, object] = {}  # version -> the renaming its tensors need (None: none)
+        self.held: dict[int, tuple[list[torch.Tensor], object]] = {}  # version -> the buckets its tensors view,
+        # and the renaming they need (None: none)
         self.spent: list[torch.Tensor] = []  # the buckets of the version taken last
         self.index: tuple = ([], [], None)  # of the last WEIGHTS message: entries, sizes, rename
         self._arrived: queue.Queue = queue.Queue()  # (kind, version, consumed, what) in order of arrival
@@ -232,9 +234,9 @@ class WeightReceiver:
                             self.index = pickle.loads(what)
                         entries, sizes, rename = self.index
                         receives, self._ahead = self._ahead or self._post(sizes), None
-                        if self.data_group is not None:  # the next version's, while this one's bytes arrive (the
-                            self._ahead = self._post(sizes)  # rank then takes this one without waiting for the GIL)
-                        what = self._weights(entries, receives, rename)
+                        if self.ahead:  # the next version's, while this one's bytes arrive (the rank then
+                            self._ahead = self._post(sizes)  # takes this one without waiting for the GIL)
+                        what = (*self._weights(entries, receives), rename)
                 self._arrived.put((kind, version, consumed, what))
                 if kind in (END, FAILURE):
                     with wire.category("weights"):
@@ -246,8 +248,7 @@ class WeightReceiver:
     def _post(self, sizes: list[int]) -> tuple[list[torch.Tensor], list]:
         """Receives for a version's buckets, every part posted at once (they stream without a round trip each)."""
         buckets = [self.pool.get(size) for size in sizes]
-        group = self.group if self.data_group is None else self.data_group
-        works = [torch.distributed.broadcast(part, src=self.src, group=group, async_op=True)
+        works = [torch.distributed.broadcast(part, src=self.src, group=self.data_group, async_op=True)
                  for bucket in buckets for part in parts(bucket, self.part_bytes)]  # fmt: skip
         return buckets, works
 
@@ -259,16 +260,16 @@ class WeightReceiver:
                 work.wait()
             self.pool.put(buckets)
 
-    def _weights(self, entries, receives, rename) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor], object]:
+    def _weights(self, entries, receives) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
         """Receive a version's buckets (``receives``: :meth:`_post`'s). Returns the trainer's tensors (views of
-        the buckets), the buckets (reused once the engine took them) and ``rename``, which :meth:`take` applies:
-        the renaming's copies run on the rank's own thread as its engine takes the version, not on this one
-        while the bytes arrive (on a machine of few cores they slowed the transfer down)."""
+        the buckets) and the buckets (reused once the engine took them). The renaming's copies run in
+        :meth:`take`, on the rank's own thread as its engine takes the version, not on this one while the bytes
+        arrive (on a machine of few cores they slowed the transfer down)."""
         buckets, works = receives
         named = unpack(entries, buckets)  # views, read once the bytes have arrived
         for work in works:
             work.wait()
-        return named, buckets, rename
+        return named, buckets
 
     def poll(self, block_s: float = 0.0) -> bool:
         """Take every message that has arrived (waiting up to ``block_s`` for the first); True if any did."""
@@ -286,8 +287,8 @@ class WeightReceiver:
             if kind == DECISION:
                 self.state.decisions.append(pickle.loads(what))
             if kind == WEIGHTS:
-                self.state.versions[version], buckets, rename = what
-                self.buckets[version], self.renames[version] = buckets, rename
+                named, buckets, rename = what
+                self.state.versions[version], self.held[version] = named, (buckets, rename)
                 self.state.latest = max(self.state.latest, version)
             self.state.ended = self.state.ended or kind == END
             self.state.consumed = max(self.state.consumed, consumed)
@@ -312,11 +313,9 @@ class WeightReceiver:
         named = self.state.versions[version]
         self.state.versions = {v: t for v, t in self.state.versions.items() if v > version}
         self.pool.put(self.spent)  # the version taken before: the engine has copied it in
-        self.spent = self.buckets.pop(version, [])
-        rename = self.renames.pop(version, None)
-        for old in [v for v in self.buckets if v < version]:  # never taken
-            self.pool.put(self.buckets.pop(old))
-            self.renames.pop(old, None)
+        self.spent, rename = self.held.pop(version, ([], None))
+        for old in [v for v in self.held if v < version]:  # never taken
+            self.pool.put(self.held.pop(old)[0])
         if rename is not None:
             named, copies = renamed(named, rename, self.pool)
             self.spent = self.spent + copies
