@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from yatt_lightning.distributed import failures, training_world
+from yatt_lightning.distributed import threads as run_threads
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.distributed.watchdog import Watchdog
 from yatt_lightning.models.cpu import megatron_cpu_context
@@ -116,6 +117,8 @@ class MegatronStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group
+        threads, source = run_threads.apply(len(self.parallel_devices or [None]))  # before any engine binds them
+        log.info("rank %d: %d torch thread%s (%s)", self.global_rank, threads, "s" if threads > 1 else "", source)
         self._init_megatron()
         self.placement.controller = self.controller
         roles = self.placement.roles(self.world_size)

@@ -116,6 +116,7 @@ def _within(tool: Tool, arguments: dict, row: dict) -> str:
     (a tool that never returns is left behind: a Python thread cannot be stopped; the Python tool kills its
     own process)."""
     try:
-        return str(TimedCaller(tool.timeout_s, name=f"yatt-tool-{tool.name}")(tool.run, arguments, row, tool.timeout_s))
+        with TimedCaller(tool.timeout_s, name=f"yatt-tool-{tool.name}") as caller:  # its thread ends with the call
+            return str(caller(tool.run, arguments, row, tool.timeout_s))
     except DeadlineExceeded:
         raise TimeoutError(f"{tool.name} did not return within {tool.timeout_s:g} s") from None

@@ -140,6 +140,7 @@ class Disaggregated(SavePoints, Placement):
         self.trainers_done = False  # rollout rank: it followed the trainers' last decision
         self.idle_at_safe_point = 0.0  # rollout rank: seconds waited for decisions, counted in the next step's idle
         self.saves_after_failure = False  # a checkpoint callback saves both sides after a rollout rank's own failure
+        self.publisher: WeightPublisher | None = None  # trainer 0 only: every other trainer reads it as None
 
     # ------------------------------------------------------------------ layout
     def check(self, layout) -> None:

@@ -2,8 +2,12 @@
 
 A Python thread cannot be stopped from outside, so the call runs on a daemon worker thread and the caller
 waits for it at most ``timeout_s`` seconds. A call past its deadline raises :class:`DeadlineExceeded` in
-the caller; its worker is abandoned (it may return later, unheard, or never: it is a daemon, so it never
-holds up the process's exit) and the next call gets a fresh worker. Waiting is interruptible: a signal
+the caller; its worker is abandoned (it may return later, unheard, and then ends; or never: it is a daemon,
+so it never holds up the process's exit) and the next call gets a fresh worker.
+
+A worker lives as long as its caller: :meth:`TimedCaller.close`, or the caller being garbage-collected,
+ends it (a caller made per call, e.g. one per tool call, leaves no thread behind: before, each waited on
+its queue forever and an agent run piled up tens of thousands of them). Waiting is interruptible: a signal
 handler that raises (a Ctrl-C's grace period ending, see :class:`~callbacks.AsyncCheckpoint`) stops the
 wait at once.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +33,10 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            fn, args, kwargs, done = self.calls.get()
+            call = self.calls.get()
+            if call is None:  # its caller closed it, was collected, or abandoned it
+                return
+            fn, args, kwargs, done = call
             try:
                 done.append((True, fn(*args, **kwargs)))
             except BaseException as err:  # noqa: BLE001 (handed to the caller, who decides)
@@ -57,19 +65,34 @@ class TimedCaller:
         self.timeout_s = timeout_s
         self.name = name
         self._worker: _Worker | None = None
+        self._ends: weakref.finalize | None = None
         self.abandoned = 0  # workers left behind in a call past its deadline
 
     def __call__(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)``, or :class:`DeadlineExceeded` after ``timeout_s`` seconds."""
         if self._worker is None:
             self._worker = _Worker(self.name)
+            # the worker must not hold its caller (else the caller is never collected): only its queue
+            self._ends = weakref.finalize(self, self._worker.calls.put, None)
         done = _Done()
         self._worker.calls.put((fn, args, kwargs, done))
         if not done.event.wait(self.timeout_s):
-            self._worker = None  # stuck in the call: a new worker serves the next one
+            self.close()  # stuck in the call: it ends when (if) the call returns; a new worker serves the next
             self.abandoned += 1
             raise DeadlineExceeded(f"did not return within {self.timeout_s:g} s")
         ok, value = done[0]
         if ok:
             return value
         raise value
+
+    def close(self) -> None:
+        """End the worker (after the call it is in, if any); a later call starts a new one."""
+        if self._ends is not None:
+            self._ends()  # puts the end on the worker's queue, once
+        self._worker, self._ends = None, None
+
+    def __enter__(self) -> TimedCaller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -13,18 +13,20 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Before torch (and vLLM) are imported: one thread per process (two threads per process on a loaded
-# 2-core machine made steps 3-10x slower), offline Hugging Face, vLLM in-process.
+# Before torch (and vLLM) are imported: offline Hugging Face, vLLM in-process. Threads: each process gets
+# the cores of its node shared by the run's processes there (`distributed/threads.py`, set by the strategy before
+# the engine starts); an OMP_NUM_THREADS of the user's wins.
 for _key, _value in {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "HF_HUB_OFFLINE": "1",
 }.items():
     os.environ.setdefault(_key, _value)
 
+from yatt_lightning.distributed.threads import FROM_USER, remember_user_setting  # noqa: E402
 from yatt_lightning.rollout.vllm_engine import set_vllm_env  # noqa: E402
+
+remember_user_setting()
 
 set_vllm_env()
 
@@ -230,7 +232,8 @@ def main(args: list[str] | None = None) -> None:
 
             export_main(argv[1:])  # its failures are about its arguments or the checkpoint: exit code 2
             return
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if os.environ.get("OMP_NUM_THREADS") and os.environ.get(FROM_USER) == "1":  # else the strategy sets it
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "" not in sys.path and "." not in sys.path:
             sys.path.insert(0, "")  # a `class_path` in the user's own file in the working directory, as `python -m`
         _check_config_files(argv)

@@ -35,6 +35,9 @@ def quiet_third_party() -> None:
     # Scripts that build YattCLI(args=...) keep sys.argv for Lightning to relaunch the other ranks.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+    # The prompt data module offers held-out rows to every stage; a module without a validation step (the
+    # RL step has none yet) has nothing to do with them, and Lightning says so before the run's capture.
+    warnings.filterwarnings("ignore", message="You passed in a `val_dataloader` but have no `validation_step`")
     # vLLM's in-place reload warns about the rotary cache, which is not a checkpoint tensor.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         _DropMessages("Failed to load weights")
