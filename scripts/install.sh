@@ -10,6 +10,15 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=${YATT_VENV:-.venv}
 STAMP="$VENV/.yatt-installed"
+# The agents' python tool runs the model's code under bubblewrap (yatt_lightning/agents/sandbox.py).
+if ! command -v bwrap >/dev/null; then
+  if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+      || echo "note: apt-get could not install bubblewrap, which the agents' python tool needs"
+  else
+    echo "note: the agents' python tool needs bubblewrap (bwrap): install it, e.g. sudo apt-get install bubblewrap"
+  fi
+fi
 want=$(cat requirements/cpu.lock pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0

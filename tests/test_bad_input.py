@@ -149,6 +149,21 @@ def test_configuration_error(name, tmp_path):
     _assert_screen(code, out, 2, CONFIG_CASES[name].match)
 
 
+def test_a_reward_the_rows_do_not_fit_is_named_with_the_row_before_any_engine_starts(tmp_path):
+    """``def score(prompt, completion, answer)`` and a file whose second row has no ``answer``: the preflight
+    names the function, the field and the row's file:line (exit 2) in seconds, where the run would otherwise
+    start its engines and fail at the first step (exit 1). The pure cases: tests/test_rewards.py."""
+    rows = "".join(json.dumps(row) + "\n" for row in ({"prompt": "a", "answer": "b"}, {"prompt": "c", "text": "d"}))
+    reward = "def score(prompt, completion, answer):\n    return 1.0\n"  # a module name no other case imports
+    case = Case(["--data.path", "p.jsonl", "--data.batch_size", "1", "--model.reward_fn", "fields_rw.score"], "",
+                {"p.jsonl": rows, "fields_rw.py": reward})  # fmt: skip
+    t0 = time.monotonic()
+    code, out = _run_case(case, tmp_path)
+    _assert_screen(code, out, 2, r"p\.jsonl:2: reward function fields_rw\.score\(prompt, completion, answer\) needs the "
+                                 r"row field 'answer', which this row lacks \(its fields: text\); add 'answer' to every row")  # fmt: skip
+    assert "vLLM engine ready" not in out and time.monotonic() - t0 < 60, out
+
+
 @pytest.mark.parametrize(
     ("name", "drop", "truncate", "match"),
     [

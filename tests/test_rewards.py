@@ -1,5 +1,6 @@
 """Tier 1: rule rewards and user reward functions loaded by import path."""
 
+import re
 import threading
 import time
 
@@ -189,3 +190,97 @@ def test_per_token_rewards_are_weighted_and_checked():
         RewardError, match=r"reward function Short returned 1 per-token rewards .* for 2 completion tokens"
     ):
         combine([Short()], batch)
+
+
+def _needs_answer(prompt, completion, answer):
+    return 0.0
+
+
+def _two_fields(prompt, completion):
+    return 0.0
+
+
+def _with_default(prompt, completion, answer, hint=None):
+    return 0.0
+
+
+def _any_field(prompt, completion, answer, **row):
+    return 0.0
+
+
+def _keyword_only(prompt, completion, *, answer, level=1):
+    return 0.0
+
+
+def _positional_only(prompt, completion, /, answer):
+    return 0.0
+
+
+class _Scorer:
+    def __call__(self, prompt, completion, answer):
+        return 0.0
+
+
+FIELD_CASES = [  # (function, the row's fields, missing, unexpected, repeated); all empty: it binds
+    (_needs_answer, {"answer"}, (), (), ()),
+    (_needs_answer, set(), ("answer",), (), ()),  # a required parameter no field fills
+    (_needs_answer, {"answer", "level"}, (), ("level",), ()),  # a field no parameter takes
+    (_two_fields, {"answer"}, (), ("answer",), ()),
+    (_two_fields, set(), (), (), ()),
+    (_with_default, {"answer"}, (), (), ()),  # a parameter with a default is optional
+    (_with_default, {"answer", "hint"}, (), (), ()),
+    (_any_field, {"answer", "level", "images"}, (), (), ()),  # **row takes any field
+    (_any_field, {"level"}, ("answer",), (), ()),
+    (_keyword_only, {"answer"}, (), (), ()),
+    (_keyword_only, {"level"}, ("answer",), (), ()),
+    (_positional_only, {"completion", "answer"}, (), ("completion",), ()),  # positional-only: the name is free
+    (_needs_answer, {"answer", "completion"}, (), (), ("completion",)),  # given by position and by keyword
+    (_Scorer(), {"answer"}, (), (), ()),  # an object's __call__, without self
+    (_Scorer(), {"answer", "x"}, (), ("x",), ()),
+    (lambda *args, **row: 0.0, {"anything"}, (), (), ()),
+]
+
+
+@pytest.mark.parametrize(("fn", "fields", "missing", "unexpected", "repeated"), FIELD_CASES)
+def test_field_mismatch_is_how_python_binds_the_call(fn, fields, missing, unexpected, repeated):
+    """The check, from the signature alone, agrees with the call the run makes: ``fn(prompt, completion,
+    **fields)`` raises a TypeError exactly when a mismatch is found, and the mismatch names the fields."""
+    from yatt_lightning.rewards.fields import FieldMismatch, field_mismatch
+
+    found = field_mismatch(fn, fields)
+    expected = FieldMismatch(missing, unexpected, repeated) if missing or unexpected or repeated else None
+    assert found == expected
+    try:
+        fn("p", "c", **dict.fromkeys(fields, "x"))
+        binds = True
+    except TypeError:
+        binds = False
+    assert binds == (found is None)
+
+
+def test_rule_reward_and_judge_name_the_field_and_the_fix(tmp_path, monkeypatch):
+    from yatt_lightning.rewards import GenerativeRewardModel
+    from yatt_lightning.rewards.base import drawn_fields
+
+    (tmp_path / "field_rewards.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rule = RuleReward("field_rewards.score")
+    assert rule.row_problem(frozenset({"answer"})) is None
+    assert re.search(r"^reward function field_rewards\.score\(prompt, completion, answer\) needs the row field "
+                     r"'answer', which this row lacks \(its fields: text\); add 'answer' to every row, or give the "
+                     r"parameter a default \(answer=None\)\.$", rule.row_problem(frozenset({"text"})))  # fmt: skip
+    named = RuleReward("field_rewards.score", name="exact")
+    assert re.search(r"^reward function exact = field_rewards\.score\(.*\) does not take the row field 'level'; .*"
+                     r"add \*\*row to its parameters", named.row_problem(frozenset({"answer", "level"})))  # fmt: skip
+    judge = GenerativeRewardModel("builtin:tiny-qwen2", template="{prompt}: {completion} vs {answer}")
+    assert judge.row_problem(frozenset({"answer"})) is None
+    assert re.search(r"`template` of judge judge names \{answer\}, which this row lacks .*take \{answer\} out",
+                     judge.row_problem(frozenset()))  # fmt: skip
+    # an error shows the parameters' names (what a field must match), without annotations
+    from yatt_lightning.rewards.fields import signature_of
+
+    assert signature_of(alphabet_reward) == "yatt_lightning.rewards.rules.alphabet_reward(prompt, completion, answer, **row)"
+    assert signature_of(_Scorer()) == "tests.test_rewards._Scorer(prompt, completion, answer)"
+    # what reaches a function: public fields, not the prompt, and a row of images' decoded images
+    assert drawn_fields({"prompt": "p", "messages": [], "answer": "a", "_source": "f:1", "_images": [None]}) == {
+        "messages", "answer", "images"}  # fmt: skip

@@ -59,5 +59,10 @@ class Environment:
         None."""
         return None
 
+    def row_problem(self, fields: frozenset[str]) -> str | None:
+        """What would stop this environment scoring a row with these public fields (its own reward function's
+        parameters against them), checked before any engine starts; ``None``: nothing."""
+        return None
+
     def check_row(self, row: dict, where: str) -> None:
         """Raise a ValueError naming ``where`` (the row's source) if this environment cannot run ``row``."""

@@ -17,6 +17,7 @@ from yatt_lightning.agents.environment import Environment, Episode, Observation
 from yatt_lightning.agents.tools import Tool, ToolError
 from yatt_lightning.rewards.base import load_callable, public_fields
 from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
+from yatt_lightning.rewards.fields import field_mismatch, signature_of
 
 
 class ToolEnvironment(Environment):
@@ -64,6 +65,14 @@ class ToolEnvironment(Environment):
 
     def reset(self, row: dict, seed: int) -> Episode:
         return ToolEpisode(self, row)
+
+    def row_problem(self, fields: frozenset[str]) -> str | None:
+        """``score`` is called ``score(prompt, final answer, **fields)``: its parameters against the fields."""
+        if self.score is None:
+            return None
+        mismatch = field_mismatch(self.score, fields)
+        what = f"`model.agent.environment.init_args.score` {signature_of(self.score)}"
+        return None if mismatch is None else mismatch.describe(what, fields)
 
     def tool_schemas(self) -> list[dict] | None:
         return [tool.schema() for tool in self.tools.values()] or None

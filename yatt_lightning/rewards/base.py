@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
+from yatt_lightning.rewards.fields import field_mismatch, signature_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ def _clip(text: str, limit: int = 120) -> str:
 def public_fields(row: dict) -> dict:
     """The row's fields that reach a reward function (framework bookkeeping starts with '_')."""
     return {k: v for k, v in row.items() if not k.startswith("_") and k != "prompt"}
+
+
+def drawn_fields(row: dict) -> frozenset[str]:
+    """The names of :func:`public_fields` of ``row`` as the data set hands it out: a row of images, loaded
+    with ``_images``, is drawn with them decoded as ``images``."""
+    return frozenset(public_fields(row)) | ({"images"} if "_images" in row else frozenset())
 
 
 class RewardFunction:
@@ -109,6 +116,12 @@ class RewardFunction:
 
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardOutput | list[float]:
         raise NotImplementedError
+
+    def row_problem(self, fields: frozenset[str]) -> str | None:
+        """What would stop this function scoring a row with these public fields (see
+        :mod:`~yatt_lightning.rewards.fields`), checked before any engine starts; ``None``: nothing that the
+        names tell."""
+        return None
 
     def rollout_scores(self, batch) -> RewardOutput:
         """The scores of a rollout batch (:class:`~yatt_lightning.rollout.batch.RolloutBatch`)."""
@@ -231,6 +244,14 @@ class RuleReward(RewardFunction):
     ) -> None:
         super().__init__(weight=weight, on_error=on_error, name=name or path, timeout_s=timeout_s)
         self.fn = load_callable(path)
+
+    def row_problem(self, fields: frozenset[str]) -> str | None:
+        mismatch = field_mismatch(self.fn, fields)
+        if mismatch is None:
+            return None
+        label = signature_of(self.fn)
+        what = f"reward function {label}" if label.startswith(f"{self.name}(") else f"reward function {self.name} = {label}"
+        return mismatch.describe(what, fields)
 
     def __call__(self, prompts, completions, rows) -> RewardOutput:
         return self.checked(self.score(prompts, completions, rows), prompts, completions, rows)

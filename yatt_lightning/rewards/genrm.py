@@ -80,6 +80,7 @@ class GenerativeRewardModel(RewardFunction):
             raise ValueError(f"GenerativeRewardModel: `max_new_tokens` must be >= 1, got {max_new_tokens}.")
         self.model = model
         self.template = template
+        self.template_fields = frozenset(fields)
         self.parser = parser or NumberParser()
         self.max_new_tokens = max_new_tokens
         self.choices = choices
@@ -120,6 +121,18 @@ class GenerativeRewardModel(RewardFunction):
         return [*super().metric_names(), f"reward/{self.name}/unparsed"]
 
     # ------------------------------------------------------------------ scoring
+    def row_problem(self, fields: frozenset[str]) -> str | None:
+        """A template field that the row lacks (the parser reads the judgment's text only: no row field)."""
+        missing = sorted(self.template_fields - fields - {"prompt", "completion"})
+        if not missing:
+            return None
+        names = ", ".join("{" + name + "}" for name in missing)
+        return (
+            f"the `template` of judge {self.name} names {names}, which this row lacks (its fields: "
+            f"{', '.join(sorted(fields)) or 'none'}); add {', '.join(map(repr, missing))} to every row, or take "
+            f"{names} out of the template."
+        )
+
     def judge_prompts(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[list[int]]:
         out = []
         for prompt, completion, row in zip(prompts, completions, rows, strict=True):

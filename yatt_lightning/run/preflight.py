@@ -3,8 +3,9 @@
 ``yatt fit`` calls :func:`check_run` right after building the module, data module and trainer from the
 configuration (in every process, before Lightning launches the others or vLLM starts): the parallel
 layout against the model, the model folder (config, weight files, tokenizer), sequence lengths against
-the model's positions, the schedule, the data (every row loads, there are enough for a step, every prompt
-tokenizes within ``model.max_prompt_tokens``). What fails here is a configuration error (exit code 2).
+the model's positions, the schedule, the data (every row loads, there are enough for a step, every row has
+the fields each reward function takes, every prompt tokenizes within ``model.max_prompt_tokens``). What
+fails here is a configuration error (exit code 2).
 """
 
 from __future__ import annotations
@@ -191,5 +192,33 @@ def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
             model.tokenize_prompt(row)
     finally:
         model.tokenizer, model.prompt_format = previous
+    check_reward_fields(model, rows)
     if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
         datamodule.dataset = datamodule.make_dataset(rows)  # checked: `setup` uses these rows instead of reading them again
+
+
+def check_reward_fields(model, rows: list[dict]) -> None:
+    """Every row gives each reward function the fields it takes (:mod:`~yatt_lightning.rewards.fields`): the
+    reward functions', a judge's template, an agent environment's own scoring; the first row that would fail
+    is named by its file and line (a built-in task's: the task and row index). Each row the agent's
+    environment must run passes its ``check_row``."""
+    from yatt_lightning.rewards.base import drawn_fields
+
+    checks = [fn.row_problem for fn in getattr(model, "reward_functions", [])]
+    agent = getattr(model, "agent", None)
+    environment = agent.environment if agent is not None else None
+    if environment is not None:
+        checks.append(environment.row_problem)
+    alike: dict[frozenset[str], list[int]] = {}  # rows by their fields, in the order of their first row
+    for i, row in enumerate(rows):
+        alike.setdefault(drawn_fields(row), []).append(i)
+        if environment is not None:
+            environment.check_row(row, row.get("_source", f"row {i}"))
+    for fields, indices in alike.items():
+        for check in checks:
+            problem = check(fields)
+            if problem is not None:
+                where = rows[indices[0]].get("_source", f"row {indices[0]}")
+                n = len(indices) - 1
+                alike_too = f" (and {n} more row{'s' * (n > 1)} like it)" if n else ""
+                raise ValueError(f"{where}{alike_too}: {problem}")
