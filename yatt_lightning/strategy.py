@@ -10,6 +10,7 @@ engine on every rank at the same point, and keeps the engine's weights in step w
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from datetime import timedelta
@@ -117,6 +118,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group
+        os.environ["YATT_PROCESS_RANK"], os.environ["YATT_PROCESS_WORLD"] = str(self.global_rank), str(self.world_size)
         threads, source = run_threads.apply(len(self.parallel_devices or [None]))  # before any engine binds them
         log.info("rank %d: %d torch thread%s (%s)", self.global_rank, threads, "s" if threads > 1 else "", source)
         self._init_megatron()

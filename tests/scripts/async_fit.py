@@ -5,7 +5,9 @@
 
 Writes OUT_DIR/steps.json (on the rank that trains first: per step its completions' token ids, rewards
 and the async figures; also appended as it goes to OUT_DIR/record.jsonl, across resumed runs) and
-OUT_DIR/weights.safetensors (the final policy under Hugging Face names). ``--slow-train``: every training
+OUT_DIR/weights.safetensors (the final policy under Hugging Face names); every trainer writes its steps to
+OUT_DIR/steps.rank<r>.json, every rollout rank the version its engine held at each step it produced to
+OUT_DIR/produced.rank<r>.json (across resumed runs: appended). ``--slow-train``: every training
 step sleeps that long first (a slow consumer); ``--slow-generate``: the rollout rank's engine sleeps that
 long before each of its steps (a slow producer, in whose generations a published version lands).
 ``--fail-at``: the reward raises at that step on the rank that scores (a failing rollout rank).
@@ -74,7 +76,12 @@ class Record(Callback):
                 row["fail_injected"] = True
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.strategy.role == "rollout" or outputs is None:
+        if trainer.strategy.role == "rollout":
+            placement = trainer.strategy.placement
+            with open(self.out / f"produced.rank{trainer.global_rank}.json", "a") as f:
+                f.write(json.dumps({"step": placement.steps - 1, "version": placement.engine_version}) + "\n")
+            return
+        if outputs is None:
             return
         rollouts = module.last_rollouts
         scalars = outputs["stats"].scalars
@@ -96,6 +103,7 @@ class Record(Callback):
         if trainer.strategy.role == "rollout":
             return
         weights = {name: t.clone() for name, t in module.policy.export_hf()}  # collective over the trainers
+        (self.out / f"steps.rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
         if trainer.global_rank == 0:
             from safetensors.torch import save_file
 

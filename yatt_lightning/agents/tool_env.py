@@ -16,7 +16,7 @@ from yatt_lightning.agents.calls import Call, CallFormat, HermesCalls
 from yatt_lightning.agents.environment import Environment, Episode, Observation
 from yatt_lightning.agents.tools import Tool, ToolError
 from yatt_lightning.rewards.base import load_callable, public_fields
-from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
+from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller, WorkerLost
 from yatt_lightning.rewards.fields import field_mismatch, signature_of
 
 
@@ -88,7 +88,7 @@ class ToolEnvironment(Environment):
             tool.check_arguments(call.arguments)
             text = _within(tool, call.arguments, row)
         except Exception as err:  # noqa: BLE001 (every failure of a call is an observation, or stops the run)
-            if self.on_tool_error == "raise":
+            if self.on_tool_error == "raise" or isinstance(err, WorkerLost):  # the process, not the tool, failed
                 raise
             message = str(err) if isinstance(err, ToolError | TimeoutError) else f"{type(err).__name__}: {err}"
             return f"error: {message}", True

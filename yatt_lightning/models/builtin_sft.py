@@ -56,7 +56,8 @@ data:
 
 # A rank's launcher variables: the child must not join the asking run's process group.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")  # fmt: skip
+                "MASTER_PORT", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS",
+                "YATT_RUN_TOKEN", "YATT_PROCESS_RANK", "YATT_PROCESS_WORLD", "YATT_OMP_FROM_USER")  # a run of its own
 
 
 def build_tiny_qwen2_sft(name: str = TINY_QWEN2_SFT) -> Path:

@@ -29,6 +29,8 @@ numbers; ``on_stale: drop`` is never deterministic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 
 import torch
@@ -55,6 +57,7 @@ from yatt_lightning.placement.weight_channel import (
 from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
 
 ON_STALE = ("wait", "drop")
+log = logging.getLogger(__name__)
 
 
 class Disaggregated(SavePoints, Placement):
@@ -231,6 +234,8 @@ class Disaggregated(SavePoints, Placement):
                     f"`trainer.strategy.placement.in_flight_updates`: the engine {type(policy_engine.engine).__name__} "
                     "takes no weights between its steps (it has no `weight_feed`); leave it unset."
                 )
+            # one engine per rollout rank, whatever the trainers' model parallelism (their TP group shares none)
+            policy_engine = dataclasses.replace(policy_engine, tensor_parallel_size=1)
             policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
             self.sender = BatchSender(self.batches, self.timeout_s)
             self.receiver = WeightReceiver(self.weights, 0, data_group=self.weight_data)
@@ -253,6 +258,12 @@ class Disaggregated(SavePoints, Placement):
         """Before producing step ``step``: the engine holds the version this step may use. Returns the version,
         the seconds waited for it (or for room in the queue) and the seconds applying it took."""
         bound = max(0, step - self.max_staleness)
+        if self.engine_version is None and bound < self.resume_version:
+            # Resumed from a run's end (its last save: the rollout rank produced nothing ahead): the trainers'
+            # version is the oldest one left, so this step uses it (one step off the fixed lag, said once).
+            log.info("rank %d: resumed after the run's end: step %d uses version %d (the oldest the trainers hold; "
+                     "the lag is %d again from the next step)", rank(), step, self.resume_version, self.max_staleness)
+            bound = self.resume_version
         room = self.queue_size  # batches the producer may be ahead of the trainer
         waited = self.idle_at_safe_point + self.receiver.wait(
             lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption", self.timeout_s
@@ -263,7 +274,8 @@ class Disaggregated(SavePoints, Placement):
                                          self.timeout_s)  # fmt: skip
         if self.on_stale == "wait":
             if self.fixed_lag:
-                ready, what = (lambda s: bound == 0 or bound in s.versions), f"version {bound}"
+                held = self.engine_version  # a step after a resume at the run's end may reuse what it applied
+                ready, what = (lambda s: bound in (0, held) or bound in s.versions), f"version {bound}"
             else:
                 ready, what = (lambda s: s.latest >= bound), f"a version >= {bound}"
             waited += self.receiver.wait(ready, what, self.timeout_s)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller
+from yatt_lightning.rewards.deadline import DeadlineExceeded, TimedCaller, WorkerLost
 from yatt_lightning.rewards.fields import field_mismatch, signature_of
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class RewardFunction:
         function (``on_error: raise``), or zeros, counted (``on_error: zero``)."""
         late = isinstance(err, DeadlineExceeded)
         what = self.failure_message(err, f" on a batch of {n} samples" if late else "")
-        if self.on_error == "raise":
+        if self.on_error == "raise" or isinstance(err, WorkerLost):  # a process out of threads scores nothing
             raise RewardError(what) from err
         log.warning("%s; scoring the batch 0", what)
         metrics = {f"reward/{self.name}/errors": float(n)}
@@ -265,7 +265,7 @@ class RuleReward(RewardFunction):
             except Exception as err:
                 timed_out = isinstance(err, DeadlineExceeded)
                 what = self.failure_message(err, f" on {describe_sample(prompt, completion, row)}")
-                if self.on_error == "raise":
+                if self.on_error == "raise" or isinstance(err, WorkerLost):
                     raise RewardError(what) from err
                 if timed_out:
                     log.warning("%s; scoring it 0", what)

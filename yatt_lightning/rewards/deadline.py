@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,11 @@ from typing import Any
 
 class DeadlineExceeded(TimeoutError):
     """A call did not return within its deadline."""
+
+
+class WorkerLost(RuntimeError):
+    """The process could not run the call at all: its worker thread could not start, or died before the
+    call (the process is out of threads or memory). Not the called code's failure: the run must stop."""
 
 
 class _Worker(threading.Thread):
@@ -71,15 +77,24 @@ class TimedCaller:
     def __call__(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)``, or :class:`DeadlineExceeded` after ``timeout_s`` seconds."""
         if self._worker is None:
-            self._worker = _Worker(self.name)
+            try:
+                self._worker = _Worker(self.name)
+            except RuntimeError as err:  # "can't start new thread"
+                raise WorkerLost(f"{self.name}: no thread to run the call on ({err})") from err
             # the worker must not hold its caller (else the caller is never collected): only its queue
             self._ends = weakref.finalize(self, self._worker.calls.put, None)
         done = _Done()
-        self._worker.calls.put((fn, args, kwargs, done))
-        if not done.event.wait(self.timeout_s):
-            self.close()  # stuck in the call: it ends when (if) the call returns; a new worker serves the next
-            self.abandoned += 1
-            raise DeadlineExceeded(f"did not return within {self.timeout_s:g} s")
+        worker = self._worker
+        worker.calls.put((fn, args, kwargs, done))
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while not done.event.wait(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
+            if not worker.is_alive():  # it died before the call (a thread that could not allocate its stack)
+                self._worker, self._ends = None, None
+                raise WorkerLost(f"{self.name}: its worker thread died before running the call")
+            if deadline is not None and time.monotonic() >= deadline:
+                self.close()  # stuck in the call: it ends when (if) the call returns; a new worker serves the next
+                self.abandoned += 1
+                raise DeadlineExceeded(f"did not return within {self.timeout_s:g} s")
         ok, value = done[0]
         if ok:
             return value

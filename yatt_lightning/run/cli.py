@@ -25,8 +25,10 @@ for _key, _value in {
 
 from yatt_lightning.distributed.threads import FROM_USER, remember_user_setting  # noqa: E402
 from yatt_lightning.rollout.vllm_engine import set_vllm_env  # noqa: E402
+from yatt_lightning.run import failure_screen  # noqa: E402
 
 remember_user_setting()
+failure_screen.remember_run()
 
 set_vllm_env()
 
@@ -249,7 +251,7 @@ def main(args: list[str] | None = None) -> None:
                 with open(log_path, "a") as f:
                     f.write("".join(traceback.format_exception(err)))
         text, code = errors.error_screen(err, configuring=not _RUNNING, log_path=log_path)
-        print(text, file=sys.stderr, flush=True)
+        failure_screen.show(text, err, log_path)  # one rank's screen on the terminal; its peers' in their logs
         sys.exit(code)
 
 

@@ -119,9 +119,26 @@ def step_stats(
     return StepStats(metrics, progress, samples, max(int(count), 1))
 
 
+# What a long run must not accumulate, per process at the step's end: OS threads (Python's and the
+# libraries' own), open file descriptors, resident memory (tests/test_soak.py holds them flat).
+PROCESS_KEYS = ("process/threads", "process/open_fds", "process/rss_gb")
+
+
+def process_figures() -> dict[str, float]:
+    """This process's threads, open file descriptors and resident memory, now."""
+    import psutil
+
+    me = psutil.Process()
+    return {"process/threads": float(me.num_threads()), "process/open_fds": float(me.num_fds()),
+            "process/rss_gb": me.memory_info().rss / 2**30}  # fmt: skip
+
+
 def _per_rank(world_size: int, times: dict[str, float], rank_figures: dict[str, float], group=None) -> dict[str, float]:
-    """Each rank's idle time in the rollout + reward phase, and the memory it held at each stage."""
-    keys = ["memory/reward_rss_gb", "memory/rollout_rss_gb"]  # the same on every rank; 0 where not measured
+    """Each rank's idle time in the rollout + reward phase, the memory it held at each stage, and its
+    threads, open files and memory at the step's end."""
+    # the same on every rank; 0 where not measured
+    keys = ["memory/reward_rss_gb", "memory/rollout_rss_gb", *PROCESS_KEYS]
+    rank_figures = {**rank_figures, **process_figures()}
     phase = times["rollout"] + times["sync"] + times["reward"]
     mine = torch.tensor([rank_figures["idle"], phase] + [rank_figures.get(k, 0.0) for k in keys], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world_size)]
