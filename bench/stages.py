@@ -3,14 +3,16 @@
 Every run is the real `yatt` command on a config of configs/ (one process, one torch thread), read back
 from its TensorBoard file:
 
-- ``sft_loss_drop``: 1 - held-out loss after configs/sft_tiny.yaml / before it (the held-out rows are the
-  alphabet task's of another seed; target >= 0.5).
+- ``sft_loss_drop``: 1 - held-out loss after configs/sft_tiny.yaml / before it (target >= 0.5). The held-out
+  rows' prompts occur in no training row: the configs draw prompts of 1 to 4 letters (104 distinct) and split
+  them by a fixed rule (``AlphabetTask.is_held_out``: 26 held out); the bench prints the split it ran on.
 - ``rl_steps_to_half_from_sft`` / ``rl_steps_to_half_from_scratch``: the first RL step (1-based) whose mean
   reward reaches 0.5, for configs/grpo_tiny.yaml started from the SFT run's checkpoint folder (the README's
   second command: exported once, loaded by Megatron and vLLM) and from the random initialisation (``>N``:
   not within the N steps run; target: from SFT in at most half the steps from scratch).
 - ``dpo_heldout_accuracy``: configs/dpo_tiny.yaml's held-out accuracy at the end (the chosen answer's
-  implicit reward above the rejected's; it starts at 0.5, the policy equal to its reference; target >= 0.8).
+  implicit reward above the rejected's; it starts at 0.5, the policy equal to its reference; target >= 0.8),
+  on pairs whose prompts occur in no training pair (the same split as SFT's).
 - ``distill_kl_drop``: 1 - the student's mean per-token KL to the teacher over the last 10 steps of
   configs/distill_tiny.yaml / over its first 5 (target >= 0.5); ``distill_reward_gap``: the teacher's mean
   task reward (its own samples, 10 steps at a learning rate of 1e-12) minus the student's over the last 10
@@ -18,7 +20,8 @@ from its TensorBoard file:
 
     python bench/stages.py [--smoke]
 
-``--smoke`` (tests/test_benches.py): SFT 40 steps, GRPO from SFT 2 steps, DPO 10 steps, distillation 25
+``--smoke`` (tests/test_benches.py): SFT 60 steps (40 were enough when the held-out prompts were training
+prompts; on the disjoint split GRPO from a 40-step SFT stayed under 0.5 for 2 steps), GRPO from SFT 2 steps, DPO 10 steps, distillation 25
 steps; no GRPO from scratch and no teacher run (printed as ``skipped``).
 """
 
@@ -28,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import fit, pop_smoke
+from _common import REPO, fit, pop_smoke
 
 
 def steps_to(values: list[float], level: float) -> str:
@@ -39,12 +42,31 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def split(config: str) -> str:
+    """How a stage's config splits its rows: distinct prompts in training and held out, and how many are shared."""
+    import importlib
+
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())["data"]["init_args"]
+    rows = {}
+    for key in ("task", "val_task"):
+        module, _, name = data[key]["class_path"].rpartition(".")
+        rows[key] = getattr(importlib.import_module(module), name)(**data[key].get("init_args", {})).rows()
+    train, held = ({r["prompt"] for r in rows[k]} for k in ("task", "val_task"))
+    return (f"{config} split: {len(rows['task'])} training rows over {len(train)} prompts, {len(rows['val_task'])} "
+            f"held-out rows over {len(held)} prompts, {len(train & held)} held-out prompts in training "
+            f"(held out: the last letter's index + letters shown = 0 mod 4)")  # fmt: skip
+
+
 def main() -> None:
     smoke = pop_smoke(sys.argv)
     work = Path(tempfile.mkdtemp(prefix="yatt-stages-"))
     steps = (
-        {"sft": 40, "rl": 2, "dpo": 10, "distill": 25} if smoke else {"sft": 60, "rl": 100, "dpo": 30, "distill": 100}
+        {"sft": 60, "rl": 2, "dpo": 10, "distill": 25} if smoke else {"sft": 60, "rl": 100, "dpo": 30, "distill": 100}
     )
+    print(split("sft_tiny"))
+    print(split("dpo_tiny"))
     sft = fit("sft_tiny", work / "sft", "--trainer.max_steps", str(steps["sft"]))
     val = sft["sft/val_loss"]
     print(f"SFT held-out loss: {val[0]:.3f} before, {val[-1]:.3f} after {steps['sft']} steps")

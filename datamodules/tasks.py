@@ -31,29 +31,50 @@ class Task:
 class AlphabetTask(Task):
     """Rows ``{"prompt": "after f", "answer": "g h i j"}`` for random start letters.
 
+    With ``context`` > 1 a prompt shows the 1 to ``context`` letters leading up to the start ("after d e f" ->
+    "g h i j"): 26 x ``context`` distinct prompts instead of 26. ``held_out`` splits them by a fixed rule, so that
+    a held-out set shares no prompt with a training set of any seed: a prompt is held out when the index of
+    its last letter plus the number of letters it shows is a multiple of 4 (for ``context: 4``: 26 of the 104
+    prompts, every start letter held out at exactly one length; for ``context: 1``: the starts d h l p t x).
+
     Args:
         num_rows: How many rows the task yields (its dataset length).
         answer_len: How many letters the answer holds.
         seed: Seed of the row generator; the same seed yields the same rows.
+        context: The most letters a prompt shows (1: "after f" only, the default task).
+        held_out: ``None``: every prompt; ``False``: the training prompts only; ``True``: the held-out ones only.
     """
 
-    def __init__(self, num_rows: int = 4096, answer_len: int = 4, seed: int = 0) -> None:
+    def __init__(self, num_rows: int = 4096, answer_len: int = 4, seed: int = 0, context: int = 1,
+                 held_out: bool | None = None) -> None:  # fmt: skip
         if num_rows < 1:
             raise ValueError(f"AlphabetTask: `num_rows` must be >= 1, got {num_rows}.")
         if not 1 <= answer_len <= 25:
             raise ValueError(f"AlphabetTask: `answer_len` must be in 1..25, got {answer_len}.")
+        if not 1 <= context <= 26:
+            raise ValueError(f"AlphabetTask: `context` must be in 1..26, got {context}.")
         self.num_rows = num_rows
         self.answer_len = answer_len
         self.seed = seed
+        self.context = context
+        self.held_out = held_out
+        self.prompts = [(start, n) for n in range(1, context + 1) for start in LETTERS
+                        if held_out is None or self.is_held_out(start, n) == held_out]  # fmt: skip
+
+    @staticmethod
+    def is_held_out(start: str, shown: int) -> bool:
+        """The split's rule: the prompt ending at ``start`` and showing ``shown`` letters is held out."""
+        return (LETTERS.index(start) + shown) % 4 == 0
 
     def rows(self) -> list[dict]:
         rng = random.Random(self.seed)
-        return [self.row(rng.choice(LETTERS)) for _ in range(self.num_rows)]
+        return [self.row(*rng.choice(self.prompts)) for _ in range(self.num_rows)]
 
-    def row(self, start: str) -> dict:
+    def row(self, start: str, shown: int = 1) -> dict:
         i = LETTERS.index(start)
         answer = " ".join(LETTERS[(i + k) % 26] for k in range(1, self.answer_len + 1))
-        return {"prompt": f"after {start}", "answer": answer}
+        return {"prompt": "after " + " ".join(LETTERS[(i - k) % 26] for k in range(shown - 1, -1, -1)),
+                "answer": answer}  # fmt: skip
 
     @staticmethod
     def corpus() -> Iterator[str]:
@@ -71,14 +92,17 @@ class AlphabetPairsTask(AlphabetTask):
     Args:
         num_rows: How many rows the task yields.
         answer_len: How many letters each answer holds.
-        seed: Seed of the row generator (a held-out set: another seed).
+        seed: Seed of the row generator.
+        context: The most letters a prompt shows (see :class:`AlphabetTask`).
+        held_out: ``None``: every prompt; ``False``: the training prompts; ``True``: the held-out ones (a
+            held-out set shares no prompt with the training one).
     """
 
     def rows(self) -> list[dict]:
         rng = random.Random(self.seed)
         rows = []
         for _ in range(self.num_rows):
-            row = self.row(rng.choice(LETTERS))
+            row = self.row(*rng.choice(self.prompts))
             letters = row["answer"].split()
             k = rng.randrange(len(letters))  # one letter wrong: a near miss, not noise
             letters[k] = rng.choice([c for c in LETTERS if c != letters[k]])

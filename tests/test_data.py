@@ -112,3 +112,42 @@ def test_too_small_dataset_is_explained():
     dm = PromptDataModule(task=AlphabetTask(num_rows=3), batch_size=4)
     with pytest.raises(ValueError, match="fewer than one step needs"):
         _loader(dm)
+
+
+def _tasks_of(config: str) -> tuple[list[dict], list[dict]]:
+    """The training and held-out rows of a shipped config's ``data.task`` / ``data.val_task``."""
+    import importlib
+
+    import yaml
+
+    from tests.helpers import REPO
+
+    data = yaml.safe_load((REPO / "configs" / config).read_text())["data"]["init_args"]
+
+    def build(spec: dict):
+        module, _, name = spec["class_path"].rpartition(".")
+        return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+
+    return build(data["task"]).rows(), build(data["val_task"]).rows()
+
+
+def test_alphabet_task_held_out_prompts_split_by_a_fixed_rule():
+    """context 4: 104 prompts, of which 26 (index of the last letter + letters shown = 0 mod 4) are held out;
+    "after b c" (2 + 2) is one, "after d" (3 + 1) another, "after a" (0 + 1) and "after c d" (3 + 2) are not."""
+    train, held = AlphabetTask(context=4, held_out=False), AlphabetTask(context=4, held_out=True)
+    assert len(train.prompts) == 78 and len(held.prompts) == 26
+    assert {"after b c", "after d"} <= {r["prompt"] for r in held.rows()}
+    assert not {"after a", "after c d"} & {r["prompt"] for r in held.rows()}
+    assert AlphabetTask(context=4).row("f", 3) == {"prompt": "after d e f", "answer": "g h i j"}
+    assert AlphabetTask(num_rows=5).rows() == AlphabetTask(num_rows=5, context=1).rows()  # the default task
+
+
+@pytest.mark.parametrize("config", ["sft_tiny.yaml", "dpo_tiny.yaml"])
+def test_the_stages_held_out_prompts_occur_in_no_training_row(config):
+    """configs/sft_tiny.yaml's held-out loss and configs/dpo_tiny.yaml's held-out accuracy (bench/stages.py) are
+    measured on prompts the run never trains on: every held-out prompt is absent from the training rows (for
+    DPO, every held-out pair's prompt from every training pair), while both sets cover many prompts."""
+    train, held = _tasks_of(config)
+    train_prompts, held_prompts = {r["prompt"] for r in train}, {r["prompt"] for r in held}
+    assert not train_prompts & held_prompts
+    assert len(train_prompts) == 78 and len(held_prompts) == 26
