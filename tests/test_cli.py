@@ -3,13 +3,14 @@
 import json
 import re
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, read_scalars, read_texts, yatt, yatt_in_process
+from tests.helpers import REPO, read_scalars, read_texts, run, yatt, yatt_in_process
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -124,17 +125,25 @@ THIRD_PARTY = re.compile(r"warn|WARNING|\(MainProcess|NUMA|Apex|Triton|LD_PRELOA
 
 @pytest.mark.slow
 def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
-    """A first run as a user sees it: yatt's own lines, the progress lines and a summary on the terminal,
-    the libraries' chatter in the run's output.log, and everything under `--trainer.default_root_dir`."""
+    """A first run as a user sees it: yatt's own lines, the progress lines and a summary on the terminal (no
+    third-party line, Lightning's validation notice included), the libraries' chatter in the run's output.log,
+    and everything under `--trainer.default_root_dir`. Without OMP_NUM_THREADS, one process takes every core."""
+    import os
+
     root = tmp_path / "elsewhere"
-    proc = yatt(
-        ["fit", "--config", TINY, "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "true",
-         "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "2",
-         "--trainer.default_root_dir", str(root)],
-        cwd=tmp_path, timeout=600,
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = run(
+        [sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", TINY, "--trainer.max_steps", "4",
+         "--trainer.enable_checkpointing", "true", "--trainer.callbacks+=ModelCheckpoint",
+         "--trainer.callbacks.every_n_train_steps", "2", "--trainer.default_root_dir", str(root)],
+        cwd=tmp_path, timeout=600, env={**env, "OMP_NUM_THREADS": ""},
     )  # fmt: skip
     lines = (proc.stderr + proc.stdout).splitlines()
     assert [line for line in lines if THIRD_PARTY.search(line)] == []
+    assert [line for line in lines if not line.startswith(("[yatt", "       "))] == [], "a line not yatt's"
+    cores = len(os.sched_getaffinity(0))
+    plural = "s" if cores > 1 else ""
+    assert f"[yatt INFO] rank 0: {cores} torch thread{plural} ({cores} cores / 1 process on this node)" in lines
     before_bar = next(i for i, line in enumerate(lines) if line.startswith("[yatt] step "))
     assert before_bar <= 15, lines[:before_bar]
     assert "[yatt] step 4/4  reward " in proc.stdout + proc.stderr
