@@ -117,3 +117,21 @@ def spawn_gloo(target, world: int = 2, timeout: float = 120) -> dict:
                 proc.kill()
     assert all(proc.exitcode == 0 for proc in procs)
     return results
+
+
+def growth(scalars: dict, rank: int = 0, warm: int = 10) -> dict[str, float]:
+    """What a run accumulated, from its TensorBoard figures ``process/*/rank<r>``: threads and open files from
+    step ``warm`` to the end (counts), and resident memory in GB per 100 steps, the least-squares slope over
+    the run's second half. Memory warms up longer: in an agent run it rises ~0.35 GB over the first ~90 steps
+    (native caches keyed by shape, as the episodes' lengths vary: Python's heap grows 0.4 MB there, by
+    tracemalloc, and malloc_trim gives back ~0.1 GB) and then holds within a few MB; a leak of a sample's
+    tensors or an engine request per step keeps rising."""
+    import statistics
+
+    threads = [v for _, v in scalars[f"process/threads/rank{rank}"]]
+    fds = [v for _, v in scalars[f"process/open_fds/rank{rank}"]]
+    rss = [v for _, v in scalars[f"process/rss_gb/rank{rank}"]]
+    rss = rss[len(rss) // 2 :]
+    slope = statistics.linear_regression(list(range(len(rss))), rss).slope * 100
+    return {"threads": threads[-1] - threads[warm - 1], "fds": fds[-1] - fds[warm - 1], "rss_gb_per_100": slope,
+            "threads_max": max(threads)}  # fmt: skip

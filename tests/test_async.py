@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, read_scalars, run, spawn_gloo, yatt
+from tests.helpers import REPO, growth, read_scalars, run, spawn_gloo, yatt
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.placement import Disaggregated
 from yatt_lightning.placement.weight_buckets import fill, layout, pack, unpack
@@ -378,3 +378,6 @@ def test_the_async_tiny_config_learns_on_two_trainers_and_a_rollout_rank_and_log
     assert staleness[0] == 0.0 and set(staleness) <= {0.0, 1.0} and staleness.count(1.0) > len(staleness) // 2
     for key in ("staleness_mean", "dropped", "queue_depth", "producer_idle", "consumer_idle"):
         assert f"async/{key}" in scalars, f"async/{key} not logged"
+    for rank in (0, 1):  # a long single-turn run accumulates nothing on either trainer (tests/test_soak.py: agents)
+        grown = growth(scalars, rank)
+        assert grown["threads"] <= 5 and grown["fds"] <= 8 and grown["rss_gb_per_100"] < 0.05, (rank, grown)

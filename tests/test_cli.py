@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, read_scalars, read_texts, run, yatt, yatt_in_process
+from tests.helpers import REPO, read_scalars, read_texts, yatt, yatt_in_process
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
@@ -131,13 +131,16 @@ def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
     import os
 
     root = tmp_path / "elsewhere"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = run(
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
         [sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", TINY, "--trainer.max_steps", "4",
          "--trainer.enable_checkpointing", "true", "--trainer.callbacks+=ModelCheckpoint",
          "--trainer.callbacks.every_n_train_steps", "2", "--trainer.default_root_dir", str(root)],
-        cwd=tmp_path, timeout=600, env={**env, "OMP_NUM_THREADS": ""},
+        cwd=tmp_path, timeout=600, env=env, capture_output=True, text=True,
     )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
     lines = (proc.stderr + proc.stdout).splitlines()
     assert [line for line in lines if THIRD_PARTY.search(line)] == []
     assert [line for line in lines if not line.startswith(("[yatt", "       "))] == [], "a line not yatt's"

@@ -34,7 +34,7 @@ LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_", "LSB_", "KUBEFLOW_")
 LAUNCHER_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                  "NODE_RANK", "GROUP_RANK", "ROLE_RANK")  # fmt: skip
 # Wall-clock and memory scalars differ between any two runs; every other scalar is the algorithm's.
-UNTIMED = ("time/", "perf/", "idle", "memory/")
+UNTIMED = ("time/", "perf/", "idle", "memory/", "process/")  # what differs between two equal runs
 
 
 @dataclass

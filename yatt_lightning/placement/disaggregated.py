@@ -143,7 +143,7 @@ class Disaggregated(SavePoints, Placement):
         self.trainers_done = False  # rollout rank: it followed the trainers' last decision
         self.idle_at_safe_point = 0.0  # rollout rank: seconds waited for decisions, counted in the next step's idle
         self.saves_after_failure = False  # a checkpoint callback saves both sides after a rollout rank's own failure
-        self.publisher: WeightPublisher | None = None  # trainer 0 only: every other trainer reads it as None
+        self.publisher: WeightPublisher | None = None  # trainer 0's (every other trainer reads None)
 
     # ------------------------------------------------------------------ layout
     def check(self, layout) -> None:
@@ -234,8 +234,7 @@ class Disaggregated(SavePoints, Placement):
                     f"`trainer.strategy.placement.in_flight_updates`: the engine {type(policy_engine.engine).__name__} "
                     "takes no weights between its steps (it has no `weight_feed`); leave it unset."
                 )
-            # one engine per rollout rank, whatever the trainers' model parallelism (their TP group shares none)
-            policy_engine = dataclasses.replace(policy_engine, tensor_parallel_size=1)
+            policy_engine = dataclasses.replace(policy_engine, tensor_parallel_size=1)  # whatever the trainers' TP
             policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
             self.sender = BatchSender(self.batches, self.timeout_s)
             self.receiver = WeightReceiver(self.weights, 0, data_group=self.weight_data)
@@ -258,12 +257,10 @@ class Disaggregated(SavePoints, Placement):
         """Before producing step ``step``: the engine holds the version this step may use. Returns the version,
         the seconds waited for it (or for room in the queue) and the seconds applying it took."""
         bound = max(0, step - self.max_staleness)
-        if self.engine_version is None and bound < self.resume_version:
-            # Resumed from a run's end (its last save: the rollout rank produced nothing ahead): the trainers'
-            # version is the oldest one left, so this step uses it (one step off the fixed lag, said once).
+        if self.engine_version is None and bound < self.resume_version:  # resumed from a run's end: nothing
             log.info("rank %d: resumed after the run's end: step %d uses version %d (the oldest the trainers hold; "
                      "the lag is %d again from the next step)", rank(), step, self.resume_version, self.max_staleness)
-            bound = self.resume_version
+            bound = self.resume_version  # was produced ahead, and the trainers' version is the oldest one left
         room = self.queue_size  # batches the producer may be ahead of the trainer
         waited = self.idle_at_safe_point + self.receiver.wait(
             lambda s: step - (s.consumed + 1) < room, f"step {step - room}'s consumption", self.timeout_s
@@ -274,7 +271,7 @@ class Disaggregated(SavePoints, Placement):
                                          self.timeout_s)  # fmt: skip
         if self.on_stale == "wait":
             if self.fixed_lag:
-                held = self.engine_version  # a step after a resume at the run's end may reuse what it applied
+                held = self.engine_version  # (a step after a resume at the run's end reuses what it applied)
                 ready, what = (lambda s: bound in (0, held) or bound in s.versions), f"version {bound}"
             else:
                 ready, what = (lambda s: s.latest >= bound), f"a version >= {bound}"
@@ -291,7 +288,7 @@ class Disaggregated(SavePoints, Placement):
 
     def send(self, produced: Produced) -> None:
         """The step's scored batch to each trainer of the data-parallel ranks this rank serves (split by groups)."""
-        parts = _split(produced.batch, len(self.serves(rank())))
+        parts = produced.batch.split_groups(len(self.serves(rank())))
         for dp, part in zip(self.serves(rank()), parts, strict=True):
             for trainer in self._trainers_served(dp):
                 self.sender.send(Produced(produced.step, produced.version, part, produced.reward_metrics,
@@ -401,12 +398,3 @@ class Disaggregated(SavePoints, Placement):
     def parts(self) -> int:
         """Into how many trainers' batches a rollout rank's batch is split."""
         return len(self.serves(rank())) if rank() in self.rollout else 1
-
-
-def _split(batch, parts: int) -> list:
-    """``batch``'s groups in ``parts`` consecutive parts of sizes differing by one at most."""
-    if parts == 1:
-        return [batch]
-    groups = batch.num_groups
-    bounds = [k * groups // parts for k in range(parts + 1)]
-    return [batch.select_groups(list(range(a, b))) for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -83,6 +83,14 @@ class RolloutBatch:
             turns=pick(self.turns),
         )
 
+    def split_groups(self, parts: int) -> list[RolloutBatch]:
+        """The groups in ``parts`` consecutive parts of sizes differing by one at most (a disaggregated rollout
+        rank's batch for the trainer data-parallel ranks it serves)."""
+        if parts == 1:
+            return [self]
+        bounds = [k * self.num_groups // parts for k in range(parts + 1)]
+        return [self.select_groups(list(range(a, b))) for a, b in zip(bounds, bounds[1:], strict=False)]
+
     @staticmethod
     def from_groups(
         rows: list[dict], prompt_ids: list[list[int]], groups: list, tokenizer, metrics: dict[str, float] | None = None
