@@ -97,10 +97,9 @@ def show(text: str, err: BaseException, log_path: Path | None) -> None:
     if mine:
         print(text, file=sys.stderr, flush=True)
     try:
-        with open(log_path, "a") as f:
-            f.write(f"{text}\n" if not mine else "")
-            f.write("" if mine else f"(rank {rank}: the terminal shows the failure's origin; this is its consequence here)\n")
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if not mine:
+            os.write(log, f"{text}\n(rank {rank}: the terminal shows the failure's origin; this is its consequence here)\n".encode())
     except OSError:
         return
     sys.stdout.flush()
