@@ -113,13 +113,13 @@ def _megatron_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
 def _tiny_names():
     from transformers import Qwen2Config
 
-    from yatt_lightning.models.gpt import HFArch
+    from yatt_lightning.models.families import arch_of
     from yatt_lightning.models.hf_names import HFNames
 
     # 4 query heads in 2 groups of head_dim 8: q, k and v are not views of the fused weight
     config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_hidden_layers=1, intermediate_size=24, vocab_size=40, tie_word_embeddings=False)  # fmt: skip
-    return HFNames(HFArch.from_hf_config(config))
+    return HFNames(arch_of(config))
 
 
 def _weight_channel_rank(rank, port, queue):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from yatt_lightning.models import convert
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families.arch import HFArch
 
 ARCH = HFArch(
     model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,

@@ -43,7 +43,12 @@ CHATML_VISION = (
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-FAMILIES = ("qwen2", "llama-tied", "mistral", "llava")
+FAMILIES = ("qwen2", "llama-tied", "mistral", "llava", "qwen3", "qwen3-moe", "llama3", "mistral-window")
+# Llama 3.1's rope scaling (its values, at this tiny model's scale: the low frequencies of positions beyond 64
+# are scaled); Mistral's window shorter than the tests' sequences.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+MISTRAL_WINDOW = 8
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6)  # fmt: skip
 
@@ -82,7 +87,7 @@ def _tokenizer(family: str):
     from tokenizers import processors
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
-    if family in ("qwen2", "llava"):
+    if family in ("qwen2", "llava", "qwen3", "qwen3-moe"):
         special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<image>"] if family == "llava" else [])
         vocab, merges = _bpe(special)
         tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
@@ -90,7 +95,7 @@ def _tokenizer(family: str):
         tok.add_special_tokens({"additional_special_tokens": special[1:]})
         tok.chat_template = CHATML
         return tok
-    if family == "llama-tied":  # Llama 3: PreTrainedTokenizerFast, byte-level BPE, BOS by its post-processor
+    if family in ("llama-tied", "llama3"):  # Llama 3: PreTrainedTokenizerFast, byte-level BPE, BOS by its post-processor
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
@@ -106,7 +111,7 @@ def _tokenizer(family: str):
         tok.add_special_tokens({"additional_special_tokens": special})
         tok.chat_template = USER_ASSISTANT
         return tok
-    if family == "mistral":  # sentencepiece-style BPE, as Mistral's (and Llama 2's) LlamaTokenizer
+    if family in ("mistral", "mistral-window"):  # sentencepiece-style BPE, as Mistral's (and Llama 2's) LlamaTokenizer
         vocab, merges = _bpe(["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], metaspace=True)
         tok = LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<unk>", add_bos_token=True)
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -130,6 +135,10 @@ def build(family: str, folder: Path, seed: int = 0) -> Path:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )  # fmt: skip
 
     tok = _tokenizer(family)
@@ -142,6 +151,16 @@ def build(family: str, folder: Path, seed: int = 0) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**SHAPE, **ids, tie_word_embeddings=True))
     elif family == "mistral":
         model = MistralForCausalLM(MistralConfig(**SHAPE, **ids, sliding_window=None))
+    elif family == "mistral-window":
+        model = MistralForCausalLM(MistralConfig(**SHAPE, **ids, sliding_window=MISTRAL_WINDOW))
+    elif family == "llama3":  # Llama 3.1-style: llama3 rope scaling, untied
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, **ids, rope_parameters=LLAMA3_ROPE))
+    elif family == "qwen3":  # QK-norm, tied embeddings (as Qwen3's small models)
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, **ids, tie_word_embeddings=True))
+    elif family == "qwen3-moe":  # 8 experts, top 2, renormalised (as Qwen3-30B-A3B)
+        config = Qwen3MoeConfig(**SHAPE, **ids, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, router_aux_loss_coef=0.001)  # fmt: skip
+        model = Qwen3MoeForCausalLM(config)
     else:
         vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                                   image_size=56, patch_size=14, projection_dim=64)  # fmt: skip

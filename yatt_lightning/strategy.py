@@ -46,6 +46,10 @@ class MegatronStrategy(DDPStrategy):
     Args:
         tensor_model_parallel_size: Ranks that split each layer's weights (TP).
         pipeline_model_parallel_size: Ranks that split the layers into stages (PP).
+        expert_model_parallel_size: Ranks that split a mixture-of-experts model's experts (EP; carved out of
+            the data-parallel ranks, as Megatron does): each holds ``num_experts / ep`` whole experts, tokens
+            travel to their experts by all-to-all, and the engine receives every expert (gathered layer by layer).
+        expert_tensor_parallel_size: Ranks that split each expert's weights; 1 (whole experts) for now.
         engine: The rollout engine (default: :class:`~yatt_lightning.rollout.VLLMEngine`). One engine
             serves each model-parallel group, split across its TP x PP ranks by the engine's own
             tensor parallelism.
@@ -66,6 +70,8 @@ class MegatronStrategy(DDPStrategy):
         self,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
         engine: RolloutEngine | None = None,
         controller: Controller | None = None,
         placement: Placement | None = None,
@@ -88,11 +94,22 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(
                 f"`trainer.strategy.pipeline_model_parallel_size` must be >= 1, got {pipeline_model_parallel_size}."
             )
+        if expert_model_parallel_size < 1:
+            raise ValueError(
+                f"`trainer.strategy.expert_model_parallel_size` must be >= 1, got {expert_model_parallel_size}."
+            )
+        if expert_tensor_parallel_size != 1:
+            raise ValueError(
+                f"`trainer.strategy.expert_tensor_parallel_size` {expert_tensor_parallel_size}: only 1 (whole experts on "
+                "each expert-parallel rank) is supported yet; split experts across ranks with `expert_model_parallel_size`."
+            )
         if torch.cuda.is_available():
             kwargs.setdefault("process_group_backend", GPU_PROCESS_GROUP_BACKEND)
         super().__init__(timeout=timedelta(minutes=timeout_minutes), **kwargs)
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.expert_model_parallel_size = expert_model_parallel_size
+        self.expert_tensor_parallel_size = expert_tensor_parallel_size
         if engine is None:
             from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
@@ -141,11 +158,17 @@ class MegatronStrategy(DDPStrategy):
     def check_layout(self, world: int) -> Layout:
         """The run's layout for ``world`` processes, checked by the controller and the placement (preflight
         calls this before any process group or engine; a run started from Python, on setting up)."""
-        layout = Layout(world, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        layout = Layout(world, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                        self.expert_model_parallel_size)  # fmt: skip
         if layout != self.layout:
             self.controller.check_layout(layout)
             self.placement.check(layout)
             train = self.placement.training_world(world)
+            if layout.ep > 1 and train != world:
+                raise ValueError(
+                    f"`trainer.strategy.expert_model_parallel_size` {layout.ep} with {type(self.placement).__name__}: "
+                    "expert parallelism runs with every rank training (FullColocation) for now; set it to 1."
+                )
             layout.check_divides(train, "processes (`trainer.devices` x `trainer.num_nodes`)" if train == world
                                  else f"trainer ranks of {type(self.placement).__name__}")  # fmt: skip
             self.layout = layout
@@ -168,20 +191,22 @@ class MegatronStrategy(DDPStrategy):
             # tp fastest, then pp, then dp: each model-parallel group is a block of consecutive ranks,
             # which is how vLLM's external launcher groups the ranks of one tensor-parallel engine.
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp"
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp",
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             )
         if self.global_rank >= world:
             log.info("rank %d: a rollout rank, outside Megatron's %d training ranks", self.global_rank, world)
             return
         log.info(
-            "Megatron parallel state: world=%d tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
-            world, tp, pp, layout.data_parallel(world), self.global_rank, ps.get_tensor_model_parallel_rank(),
+            "Megatron parallel state: world=%d tp=%d pp=%d dp=%d ep=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
+            world, tp, pp, layout.data_parallel(world), layout.ep, self.global_rank, ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
         )  # fmt: skip
 
     @property
     def _layout(self) -> Layout:
-        return self.layout or Layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        return self.layout or Layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                                     self.expert_model_parallel_size)  # fmt: skip
 
     @property
     def role(self) -> str:

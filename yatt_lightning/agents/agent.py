@@ -73,9 +73,9 @@ class Agent:
         budgets against the positions of the model in ``model_path`` (before any engine starts)."""
         from transformers import AutoConfig
 
-        from yatt_lightning.models.gpt import HFArch
+        from yatt_lightning.models.families import arch_of
 
-        positions = HFArch.from_hf_config(AutoConfig.from_pretrained(model_path)).max_position_embeddings
+        positions = arch_of(AutoConfig.from_pretrained(model_path)).max_position_embeddings
         if self.max_total_tokens is None:
             self.max_total_tokens = positions
         if self.max_total_tokens > positions:

@@ -17,7 +17,7 @@ import torch
 from yatt_lightning.checkpoint import folder as ckpt
 from yatt_lightning.checkpoint import lora_base
 from yatt_lightning.models import convert, lora, vlm
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families import arch_of
 from yatt_lightning.models.lora import LoRASettings
 
 # Names in Megatron's checkpoints (Transformer-Engine style) -> names of the local layer spec.
@@ -61,7 +61,7 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"`--out`: {out_dir} is not empty; choose a new folder.")
     hf_config = AutoConfig.from_pretrained(folder / "hf")
-    arch = HFArch.from_hf_config(hf_config)
+    arch = arch_of(hf_config)
     vision_language = vlm.is_vision_language(hf_config)
     saved = lora_base.read(folder)
     if saved is not None:

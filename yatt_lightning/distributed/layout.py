@@ -18,11 +18,14 @@ class Layout:
     world: The run's processes.
     tp: Tensor-parallel size (``trainer.strategy.tensor_model_parallel_size``).
     pp: Pipeline-parallel size (``trainer.strategy.pipeline_model_parallel_size``).
+    ep: Expert-parallel size (``trainer.strategy.expert_model_parallel_size``): the data-parallel ranks of a
+        mixture-of-experts model split its experts (each rank holds ``num_experts / ep`` whole experts).
     """
 
     world: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     @property
     def model_parallel(self) -> int:
@@ -39,4 +42,9 @@ class Layout:
             raise ValueError(
                 f"`trainer.strategy.tensor_model_parallel_size` ({self.tp}) x `pipeline_model_parallel_size` "
                 f"({self.pp}) = {self.model_parallel} does not divide the {ranks} {what}."
+            )
+        if ranks % (self.ep * self.pp):
+            raise ValueError(
+                f"`trainer.strategy.expert_model_parallel_size` ({self.ep}) x `pipeline_model_parallel_size` "
+                f"({self.pp}) = {self.ep * self.pp} does not divide the {ranks} {what}."
             )

@@ -7,6 +7,7 @@ from pathlib import Path
 from yatt_lightning.models.builtin_sft import SFT_STEPS, build_tiny_qwen2_sft
 from yatt_lightning.models.tiny import BUILTIN_SHAPES, TINY_QWEN2, build_tiny_qwen2
 from yatt_lightning.models.tiny_llava import TINY_LLAVA, build_tiny_llava
+from yatt_lightning.models.tiny_qwen3 import QWEN3_MODELS, build_tiny_qwen3
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -22,8 +23,10 @@ def resolve_model_path(path: str, key: str = "model.policy.path") -> Path:
             return build_tiny_llava()
         if path in SFT_STEPS:
             return build_tiny_qwen2_sft(path)
+        if path in QWEN3_MODELS:
+            return build_tiny_qwen3(path)
         if path not in BUILTIN_SHAPES:
-            known = ", ".join([*BUILTIN_SHAPES, *SFT_STEPS, TINY_LLAVA])
+            known = ", ".join([*BUILTIN_SHAPES, *SFT_STEPS, TINY_LLAVA, *QWEN3_MODELS])
             raise ValueError(f"`{key}`: unknown built-in model {path!r}; built-in models: {known}.")
         return build_tiny_qwen2(shape=BUILTIN_SHAPES[path])
     folder = Path(path).expanduser()

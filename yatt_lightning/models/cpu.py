@@ -320,3 +320,34 @@ def model_parallel_manual_seed(seed: int) -> None:
         mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
         seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank(),
     )
+
+
+def moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router (``moe_utils.RouterGatingLinearFunction``) tests ``te_general_gemm is not
+    None``, a name bound only when Transformer Engine imports: without it the test raises ``NameError``.
+    Bind it to None (the router then uses ``torch.mm``); a no-op where Transformer Engine is installed."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if cpu_mode():
+        mappings._AllToAll.forward = staticmethod(_all_to_all_on_cpu)
+
+
+def _all_to_all_on_cpu(ctx, group, input, output_split_sizes, input_split_sizes):
+    """megatron-core 0.16.1's ``_AllToAll.forward`` (expert parallelism's token exchange) for gloo: its output on
+    the input's device (Megatron's asks for the current CUDA device, also in the backward pass, which runs
+    outside :func:`megatron_cpu_context`), and the split sizes, which the token dispatcher gives as tensors, as
+    the lists of ints gloo takes."""
+    ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+    if group.size() == 1:
+        return input
+    sizes = [s.tolist() if isinstance(s, torch.Tensor) else s for s in (output_split_sizes, input_split_sizes)]
+    input = input.contiguous()
+    if sizes[0] is None:
+        output = torch.empty_like(input)
+    else:
+        output = input.new_empty(size=[sum(sizes[0]), *input.size()[1:]])
+    torch.distributed.all_to_all_single(output, input, output_split_sizes=sizes[0], input_split_sizes=sizes[1], group=group)
+    return output

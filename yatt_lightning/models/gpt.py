@@ -1,106 +1,52 @@
-"""Build a Megatron-Core GPT model from a Hugging Face Qwen2 / Llama configuration.
+"""Build a Megatron-Core GPT from an architecture read off a Hugging Face config (:class:`HFArch`).
 
-The mapping covers the dense decoder family that shares Llama's block: RMSNorm, rotary embeddings,
-grouped-query attention (optional QKV bias, as in Qwen2), a SwiGLU MLP without biases, and tied or
-untied output embeddings. The model uses Megatron's local (non-Transformer-Engine) layer spec so the
-same code runs on CPU and GPU.
+Which Hugging Face families map onto it, and how, is the business of the family unit
+(:mod:`yatt_lightning.models.families`): each family reads its config into an :class:`HFArch` and names its
+weights (:func:`~yatt_lightning.models.families.arch_of`). What the Megatron side needs is data in the arch: a Llama-style decoder block (RMSNorm, rotary
+embeddings with optional scaling, grouped-query attention with optional QKV bias and per-head QK-norm,
+optional sliding windows per layer, a SwiGLU MLP or a top-k mixture of SwiGLU experts), tied or untied
+output embeddings. The model uses Megatron's local (non-Transformer-Engine) layer spec so the same code
+runs on CPU and GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from yatt_lightning.models.families.arch import HFArch
+
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
-SUPPORTED_VISION_LANGUAGE_TYPES = ("llava",)
 
-
-@dataclass(frozen=True)
-class HFArch:
-    """The architecture facts read from a Hugging Face config, validated once."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_hf_config(cls, cfg) -> HFArch:
-        """The language model's facts; for a vision-language model (LLaVA), those of its ``text_config``."""
-        if hasattr(cfg, "vision_config"):
-            if cfg.model_type not in SUPPORTED_VISION_LANGUAGE_TYPES:
-                raise ValueError(
-                    f"`model.policy.path`: vision-language model type {cfg.model_type!r} is not supported; "
-                    f"supported: {', '.join(SUPPORTED_VISION_LANGUAGE_TYPES)} (a CLIP tower in front of a dense decoder)."
-                )
-            cfg = cfg.text_config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"`model.policy.path`: model type {cfg.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-style dense decoders)."
-            )
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"`model.policy.path`: hidden_act {cfg.hidden_act!r} is not supported (only silu/SwiGLU).")
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type")
-        if rope_type not in (None, "default"):
-            raise ValueError(
-                f"`model.policy.path`: rope scaling {rope_type!r} is not supported yet (only default RoPE)."
-            )
-        theta = rope["rope_theta"] if "rope_theta" in rope else getattr(cfg, "rope_theta", 10000.0)
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(
-            model_type=cfg.model_type,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
-            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=cfg.max_position_embeddings,
-        )
-
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise a ValueError naming the strategy argument when the layout cannot split this model."""
-        key = "trainer.strategy.tensor_model_parallel_size"
-        if self.num_heads % tp:
-            raise ValueError(f"`{key}`={tp} does not divide the model's {self.num_heads} attention heads.")
-        if self.num_kv_heads % tp:
-            raise ValueError(f"`{key}`={tp} does not divide the model's {self.num_kv_heads} key/value heads.")
-        if self.vocab_size % tp:
-            raise ValueError(f"`{key}`={tp} does not divide the vocabulary size {self.vocab_size}.")
-        if self.intermediate_size % tp:
-            raise ValueError(f"`{key}`={tp} does not divide the MLP size {self.intermediate_size}.")
-        if self.num_layers % pp:
-            raise ValueError(
-                f"`trainer.strategy.pipeline_model_parallel_size`={pp} does not divide the model's {self.num_layers} layers."
-            )
-
-
-def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dtype, ep: int = 1) -> TransformerConfig:
     from megatron.core.transformer import TransformerConfig  # noqa: F811 (imported for annotations above)
 
+    extra = {}
+    if arch.sliding_window is not None:  # (left, right): the token and the window - 1 before it
+        extra["window_size"] = (arch.sliding_window - 1, 0)
+        extra["window_attn_skip_freq"] = [int(w) for w in arch.window_layers] if arch.window_layers else None
+    if arch.moe is not None:
+        moe = arch.moe
+        extra.update(
+            num_moe_experts=moe.num_experts,
+            moe_router_topk=moe.top_k,
+            moe_ffn_hidden_size=moe.expert_size,
+            # topk of the logits then a softmax over them is the renormalised top-k of the softmax; without
+            # renormalisation the softmax comes first
+            moe_router_pre_softmax=not moe.normalize_top_k,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=moe.aux_loss_coef,
+            moe_layer_freq=[int(m) for m in moe.moe_layers],
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
+        )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -114,6 +60,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dt
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -132,9 +79,10 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dt
         apply_rope_fusion=False,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # dense model; only satisfies a check tied to variable_seq_lengths
+        moe_token_dispatcher_type="alltoall",  # a dense model: only satisfies a check tied to variable_seq_lengths
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=False,
+        **extra,
     )
 
 
@@ -142,11 +90,18 @@ def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool, ti
     """The Megatron GPT model (one pipeline stage of it) for ``arch``; parameters uninitialised. ``tied``:
     share the embedding with the output layer when the checkpoint does (a critic has no output layer)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    return GPTModel(
+    if arch.moe is not None:  # dense and mixture layers as moe_layer_freq says
+        from yatt_lightning.models.cpu import moe_without_transformer_engine
+
+        moe_without_transformer_engine()
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -156,3 +111,6 @@ def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool, ti
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
     )
+    if arch.rope_inv_freq is not None:  # scaled RoPE: transformers' frequencies, exactly
+        gpt.rotary_pos_emb.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32)
+    return gpt

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt_lightning.models import convert, vlm
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families.arch import HFArch
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ GPT (the TP split, the tensor-parallel attributes Megatron's initialisers would 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from yatt_lightning.models import convert
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families.arch import HFArch
 
 
 def load_hf_weights(
@@ -21,23 +22,25 @@ def load_hf_weights(
     tp: int,
     layer_offset: int,
     source: Path,
+    expert_offset: int = 0,
 ) -> None:
     """Copy this rank's shards of the Hugging Face checkpoint read by ``get(hf name)`` into ``gpt``.
 
     Also tags each parameter as TP-sharded or replicated. Megatron-Core tags them only inside its
     weight initialisers, which are skipped here (``perform_initialization=False``, the checkpoint
     provides the values); untagged sharded weights would count as replicated in the gradient norm, so
-    clipping under TP > 1 would differ from TP = 1.
+    clipping under TP > 1 would differ from TP = 1. ``expert_offset``: the global number of this
+    expert-parallel rank's first expert.
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     with torch.no_grad():
         for name, param in gpt.named_parameters():
-            dim = convert.tp_split_dim(name)
+            dim = convert.tp_split_dim(name, arch)
             if not hasattr(param, "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(param, dim is not None, -1 if dim is None else dim, 1)
-            full = convert.hf_to_megatron(name, get, arch, layer_offset)
-            part = convert.shard(name, full, tp_rank, tp)
+            full = convert.hf_to_megatron(global_expert(name, expert_offset), get, arch, layer_offset)
+            part = convert.shard(name, full, tp_rank, tp, arch)
             if part.shape != param.shape:
                 raise ValueError(
                     f"`model.policy.path`: {source}: tensor for {name} has shape {tuple(part.shape)} after TP "
@@ -72,3 +75,13 @@ def safetensors_reader(folder: Path) -> Callable[[str], torch.Tensor]:
             raise KeyError(f"`model.policy.path`: {folder / file} has no tensor {name!r}") from err
 
     return get
+
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
+
+
+def global_expert(name: str, expert_offset: int) -> str:
+    """``name`` with a local expert's number made global (``expert_offset`` + local)."""
+    if not expert_offset or ".local_experts." not in name:
+        return name
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}{m.group(3)}", name)

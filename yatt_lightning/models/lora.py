@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families.arch import HFArch
 
 # Hugging Face projection -> (Megatron layer under decoder.layers.N, part of a fused layer, HF module path)
 PROJECTIONS = {

@@ -19,10 +19,12 @@ import torch
 
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
-from yatt_lightning.models.gpt import HFArch, build_gpt, transformer_config
+from yatt_lightning.models.families import arch_of
+from yatt_lightning.models.gpt import build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
-from yatt_lightning.models.hf_weights import load_hf_weights, safetensors_reader
+from yatt_lightning.models.hf_weights import global_expert, load_hf_weights, safetensors_reader
 from yatt_lightning.models.one_storage import into_one_storage
+from yatt_lightning.models.router_figures import RouterFigures
 from yatt_lightning.training.optim import OptimizerSettings
 
 
@@ -64,9 +66,12 @@ class MegatronPolicy(torch.nn.Module):
                 f"`model.critic`: {self.path} is a vision-language model; a critic on one is not supported yet "
                 "(use an estimator without a critic, or a text model's folder as `model.critic.path`)."
             )
-        self.arch = HFArch.from_hf_config(hf_config)
+        self.arch = arch_of(hf_config)  # its family reads it (models/families)
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-        self.arch.check_parallel(tp, pp)
+        self.ep = ps.get_expert_model_parallel_world_size() if self.arch.moe is not None else 1
+        self.arch.check_parallel(tp, pp, self.ep)
+        self.local_experts = self.arch.moe.num_experts // self.ep if self.arch.moe is not None else 0
+        self.expert_offset = ps.get_expert_model_parallel_rank() * self.local_experts if self.ep > 1 else 0  # global number of its first
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), tp
         self.is_first_stage = ps.is_pipeline_first_stage()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -74,7 +79,7 @@ class MegatronPolicy(torch.nn.Module):
         self.offloaded = False
         self._named_parameters: list | None = None
         self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU offload: (tensor, an alias of its storage)
-        self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype)
+        self.config = transformer_config(self.arch, tp=tp, pp=pp, params_dtype=params_dtype, ep=self.ep)
         with megatron_cpu_context():
             model_parallel_manual_seed(seed)
             from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -87,7 +92,8 @@ class MegatronPolicy(torch.nn.Module):
             self.hf_names = HFNames(self.arch, self.vision_language, self.layer_offset)
             get = safetensors_reader(self.path)
             reader = vlm.text_reader(get) if self.vision_language else get
-            load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path)
+            load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path,
+                            expert_offset=self.expert_offset)  # fmt: skip
             if value_head:
                 from yatt_lightning.models.value_model import ValueModel
 
@@ -107,6 +113,7 @@ class MegatronPolicy(torch.nn.Module):
                 self.lora_params = adapters.attach(language, lora, self.arch, self.tp_rank, tp, self.layer_offset, seed)
             if torch.cuda.is_available():
                 gpt.cuda(torch.cuda.current_device())
+            self.router_figures = RouterFigures.attach(gpt, self.arch) if optimizer is not None else None
             if optimizer is None:
                 gpt.requires_grad_(False)
                 gpt.eval()
@@ -173,6 +180,11 @@ class MegatronPolicy(torch.nn.Module):
                 micro_batch_size=microbatches[0]["input_ids"].shape[0],
                 forward_only=forward_only,
             )
+
+    def take_moe_figures(self) -> dict[str, float]:
+        """A mixture-of-experts policy's routing figures over its training forwards since the last call
+        (:mod:`~yatt_lightning.models.router_figures`); collective over the training ranks. Empty for a dense one."""
+        return self.router_figures.take() if self.router_figures is not None else {}
 
     def zero_grad_buffers(self) -> None:
         self.model.zero_grad_buffer()
@@ -311,10 +323,16 @@ class MegatronPolicy(torch.nn.Module):
             if ".lora." in name:  # adapters: export_adapter
                 continue
             local = param.detach()
-            if self.tp > 1 and convert.tp_split_dim(name) is not None:
+            if self.ep > 1 and ".local_experts." in name:  # every rank's copy of this local expert, by global number
+                copies = [torch.empty_like(local) for _ in range(self.ep)]
+                torch.distributed.all_gather(copies, local.contiguous(), group=ps.get_expert_model_parallel_group())
+                for r, full in enumerate(copies):
+                    yield from self.hf_names(global_expert(name, r * self.local_experts), full)
+                continue
+            if self.tp > 1 and convert.tp_split_dim(name, self.arch) is not None:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
                 torch.distributed.all_gather(shards, local.contiguous(), group=group)
-                full = convert.unshard(name, shards)
+                full = convert.unshard(name, shards, self.arch)
             else:
                 full = local
             yield from self.hf_names(name, full)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from yatt_lightning.models import convert
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families.arch import HFArch
 
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 

@@ -51,10 +51,10 @@ class PartialColocation(Placement):
             raise ValueError(
                 "`trainer.strategy.placement`: PartialColocation needs at least 2 processes (`trainer.devices`)."
             )
-        if layout.model_parallel != 1:
+        if layout.model_parallel != 1 or layout.ep != 1:
             raise ValueError(
                 "`trainer.strategy.placement`: PartialColocation supports data parallelism only; set "
-                "tensor_model_parallel_size and pipeline_model_parallel_size to 1."
+                "tensor_model_parallel_size, pipeline_model_parallel_size and expert_model_parallel_size to 1."
             )
         rollout = self.rollout_ranks or list(range(world // 2))
         if not rollout or len(rollout) >= world or any(r < 0 or r >= world for r in rollout):

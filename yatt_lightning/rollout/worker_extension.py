@@ -15,6 +15,7 @@ class WeightSyncExtension:
     def yatt_reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(weights))
         _retie_output_embedding(self.model_runner.model, self.model_runner.model_config.hf_config)
+        _prepack_cpu_experts(self.model_runner.model)
         return len(weights)
 
     def yatt_named_parameter(self, name: str) -> torch.Tensor:
@@ -42,3 +43,25 @@ def _retie_output_embedding(model: torch.nn.Module, hf_config) -> None:
         )
     head = heads[0].tie_weights(embeddings[0])
     head.quant_method.process_weights_after_loading(head)
+
+
+def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+    """Mixture-of-experts layers on CPU: vLLM 0.32 prepacks the experts' weights into its grouped-GEMM layout
+    after the first load only (``_setup_kernel`` skips ``fused_experts.process_weights_after_loading`` on a
+    weight update), so a reload leaves the new weights unpacked where the kernel reads packed ones (measured:
+    logprobs 0.1 off after any push, also after pushing the initial weights back). Prepack them again. A
+    layer whose experts vLLM had padded cannot be repacked from the reloaded (unpadded) tensors: refused."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a GPU build: its kernels take the reloaded layout
+        return
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            raise RuntimeError(
+                "the engine's CPU expert kernel pads this model's expert size "
+                f"({experts.moe_config.intermediate_size_per_partition}); weights pushed into it cannot be repacked"
+            )
+        experts.process_weights_after_loading(layer)

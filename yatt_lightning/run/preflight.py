@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from yatt_lightning.models.gpt import HFArch
+from yatt_lightning.models.families import arch_of
+from yatt_lightning.models.families.arch import HFArch
 
 
 def check_run(model, datamodule, trainer) -> None:
@@ -23,7 +24,7 @@ def check_run(model, datamodule, trainer) -> None:
     strategy = trainer.strategy
     path = model.policy_spec.resolve()
     config = AutoConfig.from_pretrained(path)
-    arch = HFArch.from_hf_config(config)
+    arch = arch_of(config)
     check_layout(arch, strategy, trainer)
     check_weights(path)
     tokenizer = load_tokenizer(path)
@@ -127,7 +128,8 @@ def check_layout(arch: HFArch, strategy, trainer) -> None:
     """The run's one layout (:class:`~yatt_lightning.distributed.layout.Layout`), checked by the model's
     shapes, the strategy's controller and its placement."""
     if hasattr(strategy, "check_layout"):
-        arch.check_parallel(strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size)
+        arch.check_parallel(strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size,
+                            getattr(strategy, "expert_model_parallel_size", 1))  # fmt: skip
         strategy.check_layout(trainer.num_devices * trainer.num_nodes)
 
 

@@ -115,7 +115,7 @@ class PolicyUpdate:
         stats["logprob_diff_max"] = (
             max_abs_difference(old, batch.samples.rollout_logprobs) if old is not None else forward_diff
         )
-        return {**stats, **figures}
+        return {**stats, **self.policy.take_moe_figures(), **figures}
 
 
     def loss(self, logprobs, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,0 +1,20 @@
+"""LLaVA: a CLIP vision tower and projector (transformers' modules) in front of a registered text family's
+decoder (its ``text_config``); the weight names are :mod:`yatt_lightning.models.vlm`'s."""
+
+from yatt_lightning.models.families.registry import family_for, register
+
+SUPPORTED_TEXT = ("qwen2", "llama", "mistral")
+
+
+@register
+class Llava:
+    model_type = "llava"
+
+    def arch(self, cfg):
+        text = cfg.text_config
+        if text.model_type not in SUPPORTED_TEXT:
+            raise ValueError(
+                f"`model.policy.path`: LLaVA's text_config.model_type {text.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_TEXT)}."
+            )
+        return family_for(text).arch(text)

@@ -1,0 +1,49 @@
+"""The built-in tiny Qwen3 models: a dense one (QK-norm, tied embeddings, as Qwen3's small models) and a
+mixture of experts (8 experts of 64, top 2 renormalised, as Qwen3-30B-A3B routes), random-initialised, with
+the tiny Qwen2's locally trained tokenizer (Qwen3 keeps Qwen2's tokenizer). Written as ordinary Hugging Face
+folders, loaded like a user's. Head size 32 (vLLM on CPU), 4 query and 2 key/value heads, 2 layers: TP=2,
+PP=2 and EP=2 (4 experts a rank) all divide them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
+from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, train_tokenizer
+
+TINY_QWEN3 = "builtin:tiny-qwen3"
+TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001}  # fmt: skip
+QWEN3_MODELS = (TINY_QWEN3, TINY_QWEN3_MOE)
+
+
+def build_tiny_qwen3(name: str = TINY_QWEN3, seed: int = 1234) -> Path:
+    """Build (once) and return the folder of the built-in model ``name``; safe under concurrent ranks."""
+    from yatt_lightning.datamodules.tasks import AlphabetTask
+
+    moe = TINY_MOE if name == TINY_QWEN3_MOE else None
+    corpus = list(AlphabetTask.corpus())
+    key = hashlib.sha256(json.dumps([TINY_QWEN2_SHAPE, moe, SPECIAL_TOKENS, seed, corpus]).encode())
+    out = cache_dir() / f"{name.removeprefix('builtin:')}-{key.hexdigest()[:12]}"
+    return build_once(out, lambda tmp: _write(tmp, seed, corpus, moe))
+
+
+def _write(folder: Path, seed: int, corpus, moe: dict | None) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(TINY_QWEN2_SHAPE)
+    tokenizer = train_tokenizer(corpus, shape["vocab_size"])
+    rope = {"rope_type": "default", "rope_theta": shape.pop("rope_theta")}
+    common = dict(rope_parameters=rope, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None, torch_dtype="float32")  # fmt: skip
+    torch.manual_seed(seed)
+    if moe is None:
+        model = Qwen3ForCausalLM(Qwen3Config(**{**shape, "tie_word_embeddings": True}, **common))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **moe, **common))
+    save_pretrained(model, folder)
+    tokenizer.save_pretrained(folder)
