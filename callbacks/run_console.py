@@ -89,9 +89,10 @@ class RunConsole(ProgressBar):
         strategy = trainer.strategy
         layout = ""
         if hasattr(strategy, "tensor_model_parallel_size"):
+            ep = getattr(strategy, "expert_model_parallel_size", 1)
             layout = (f" (tp={strategy.tensor_model_parallel_size} pp={strategy.pipeline_model_parallel_size} "
-                      f"dp={strategy.data_parallel_size})")  # fmt: skip
-        params = sum(p.numel() for p in pl_module.parameters())
+                      f"dp={strategy.data_parallel_size}{f' ep={ep}' if ep > 1 else ''})")  # fmt: skip
+        params = sum(p.numel() for p in pl_module.parameters())  # this rank's (its shards, its experts)
         where = f"; library output: {self._capture.path}" if self._capture is not None else ""
         self.print(
             f"[yatt] training {_count(params)} parameters for {total} steps on {trainer.world_size} "

@@ -94,6 +94,34 @@ def test_adapters_give_peft_logits_and_train_only_themselves(megatron_world, tin
         torch.testing.assert_close(plain(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_mixture_of_experts_takes_adapters_on_its_attention_as_peft_does(megatron_world, tmp_path):  # noqa: F811
+    """The built-in Qwen3-MoE (QK-norm, 8 experts) with adapters on its attention projections: after 3 optimizer
+    steps the experts, router and base weights are bitwise the same, and the logits equal transformers + PEFT
+    loading the exported adapter folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from yatt_lightning.models.builtin import resolve_model_path
+    from yatt_lightning.models.lora import save_peft
+
+    path = resolve_model_path("builtin:tiny-qwen3-moe")
+    settings = LoRASettings(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    policy = _policy(path, settings)
+    base_before = {n: t.clone() for n, t in policy.export_hf()}
+    _train(policy)
+    assert all(torch.equal(t, base_before[n]) for n, t in policy.export_hf())
+    adapter = dict(policy.export_adapter())
+    assert len(adapter) == 2 * 4 * 2 and any(not torch.equal(t, torch.zeros_like(t)) for n, t in adapter.items() if "lora_B" in n)
+    save_peft(tmp_path / "adapter", adapter, settings, path)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tmp_path / "adapter")
+    ids = torch.randint(3, 290, (2, 10), generator=torch.Generator().manual_seed(5))
+    seen = []
+    policy.forward_backward([{"input_ids": ids}], lambda mb, lg: (seen.append(lg.detach()), (torch.zeros(()), torch.tensor(1), {}))[1],
+                           forward_only=True)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(seen[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_the_language_model_of_a_llava_policy_takes_adapters_as_peft_does(megatron_world, tmp_path):  # noqa: F811
     """A LLaVA policy with adapters on its language model (the vision tower and projector frozen as the base):
     after an update, its logits on two images equal transformers' LLaVA with the exported PEFT folder loaded,
@@ -297,5 +325,7 @@ def test_what_lora_cannot_run_is_refused_before_start(tmp_path):
     assert code == 2 and "`model.lora` with `trainer.strategy.placement: PartialColocation` is not supported" in err, err
     code, err = fit('{"target_modules": ["qkv"]}')
     assert code == 2 and "`model.lora.target_modules`: ['qkv'] is not a projection" in err, err
+    code, err = fit('{"rank": 4}', more=("--model.policy.path", "builtin:tiny-qwen3-moe"))
+    assert code == 2 and "is a mixture of experts (8 experts), and adapters on its experts (gate_proj, up_proj, down_proj)" in err, err
     code, err = fit('{"rank": 100}')
     assert code == 2 and "`model.lora.rank` (100) exceeds what k_proj of" in err and "rank at most 64" in err, err

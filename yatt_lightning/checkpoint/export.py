@@ -146,15 +146,29 @@ def read_model_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
 
 def _unstack(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``decoder.layers.X`` tensors (``language_model.decoder.layers.X`` in a LLaVA) are stacked over layers;
-    yield ``decoder.layers.<i>.X`` per layer."""
+    yield ``decoder.layers.<i>.X`` per layer. A mixture of experts' checkpoint keeps its layers apart
+    (``decoder.layers.<i>.X``) and stacks each layer's experts (``mlp.experts.experts.linear_fc1.weight``
+    ``[experts, ...]``): yield ``mlp.experts.local_experts.<e>.linear_fc1.weight`` per expert, by global number."""
     prefix = "language_model." if name.startswith("language_model.decoder.layers.") else ""
     if not name.startswith(prefix + "decoder.layers."):
         yield name, tensor
         return
     suffix = name.removeprefix(prefix + "decoder.layers.")
+    layer, _, rest = suffix.partition(".")
+    if layer.isdigit():  # one layer's tensor
+        rest = _CHECKPOINT_TO_LOCAL.get(rest, rest)
+        if rest.startswith(_STACKED_EXPERTS):
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest.removeprefix(_STACKED_EXPERTS)}", tensor[e]
+            return
+        yield f"{prefix}decoder.layers.{layer}.{rest}", tensor
+        return
     suffix = _CHECKPOINT_TO_LOCAL.get(suffix, suffix)
     for i in range(tensor.shape[0]):
         yield f"{prefix}decoder.layers.{i}.{suffix}", tensor[i]
+
+
+_STACKED_EXPERTS = "mlp.experts.experts."
 
 
 def main(argv: list[str] | None = None) -> None:

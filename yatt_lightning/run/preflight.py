@@ -64,6 +64,12 @@ def check_lora(trainer, settings, arch: HFArch, path: Path) -> None:
     """``model.lora``: a rank the targeted projections can hold, and a placement that runs adapters."""
     from yatt_lightning.models.lora import full_shapes
 
+    mlp = [p for p in settings.targets() if p in ("gate_proj", "up_proj", "down_proj")]
+    if arch.moe is not None and mlp:
+        raise ValueError(
+            f"`model.lora.target_modules`: {path} is a mixture of experts ({arch.moe.num_experts} experts), and adapters "
+            f"on its experts ({', '.join(mlp)}) are not supported yet; target the attention: [q_proj, k_proj, v_proj, o_proj]."
+        )
     shapes = full_shapes(arch)
     proj = min(settings.targets(), key=lambda p: min(shapes[p]))
     if settings.rank > min(shapes[proj]):

@@ -1,0 +1,108 @@
+"""Each family's Megatron model against transformers at every layout of 2 processes, and its export.
+
+    python tests/scripts/family_logits.py OUT FAMILY [FAMILY ...]
+
+Builds each family's folder under OUT (tests/user_models.py: plain ``save_pretrained``), then in 2 gloo processes
+for each layout in turn (TP=1 (DP=2), TP=2, PP=2, and EP=2 for a mixture of experts; each with a fresh parallel state) loads
+the folder into a MegatronPolicy, runs a forward on 3 sequences of 40 tokens (longer than the Mistral folder's
+window), gathers the logits over TP, and exports the weights. Prints one JSON line: per layout and family the
+largest logit difference to transformers (on the last stage) and whether the export equals the folder's tensors
+bitwise; for the windowed Mistral also the difference transformers itself shows without the window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+
+
+def worker(rank: int, port: int, folders: dict, queue) -> None:
+    import torch
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from yatt_lightning.models.cpu import megatron_cpu_context
+    from yatt_lightning.models.policy import MegatronPolicy
+    from yatt_lightning.training.optim import OptimizerSettings
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    ids = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for layout, (tp, pp, ep) in LAYOUTS.items():
+        with megatron_cpu_context():
+            ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                         order="tp-cp-ep-pp-dp")  # fmt: skip
+        for family, folder in folders.items():
+            if ep > 1 and "moe" not in family:
+                continue
+            policy = MegatronPolicy(Path(folder), optimizer=OptimizerSettings(lr=1e-3, clip_grad=0.0))
+            out = []
+
+            def keep(mb, logits, out=out):
+                out.append(logits.detach())
+                return torch.zeros(()), torch.tensor(1), {}
+
+            policy.forward_backward([{"input_ids": ids}], keep, forward_only=True)
+            exported = dict(policy.export_hf())
+            original = load_file(str(Path(folder) / "model.safetensors"))
+            entry = {"export_equal": exported.keys() == original.keys()
+                     and all(torch.equal(exported[k], original[k]) for k in original)}  # fmt: skip
+            if out:
+                logits = out[0]
+                if tp > 1:
+                    parts = [torch.empty_like(logits) for _ in range(tp)]
+                    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+                    logits = torch.cat(parts, dim=-1)
+                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                with torch.no_grad():
+                    expected = hf(ids).logits
+                entry["logit_diff"] = (logits - expected).abs().max().item()
+                if hf.config.model_type == "mistral" and hf.config.sliding_window is not None:
+                    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, sliding_window=None)
+                    with torch.no_grad():
+                        entry["without_window_diff"] = (full(ids).logits - expected).abs().max().item()
+            results[f"{layout}/{family}"] = entry
+            del policy
+        ps.destroy_model_parallel()
+    queue.put((rank, results))
+
+
+def main() -> None:
+    import multiprocessing
+
+    from tests.user_models import build
+
+    out = Path(sys.argv[1])
+    folders = {f: str(build(f, out / f)) for f in sys.argv[2:]}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, folders, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        _, part = queue.get(timeout=400)
+        for key, entry in part.items():
+            results.setdefault(key, {}).update(entry)
+    for p in procs:
+        p.join(timeout=60)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
