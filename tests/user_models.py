@@ -3,7 +3,9 @@
 The built-in models are built by yatt-lightning itself; these are what a user's folder looks like instead:
 the family's own tokenizer class (Qwen2's byte-level BPE, Llama 3's ``PreTrainedTokenizerFast`` with a BOS
 post-processor, Mistral's sentencepiece-style ``LlamaTokenizer``), a chat template, and for LLaVA a
-``LlavaProcessor`` with transformers' CLIP image processor and llava-hf's template. Random weights, a few
+``LlavaProcessor`` with transformers' CLIP image processor and llava-hf's template. The 2026 families: Qwen3
+(QK-norm, tied), Qwen3-MoE (8 experts of 64, top 2 renormalised), a Llama 3.1-style folder (``llama3`` rope
+scaling at this model's scale) and Mistral with a sliding window shorter than the tests' sequences. Random weights, a few
 hundred thousand parameters, vocabularies trained on the built-in tasks' text (so the alphabet task can be
 learned), head size 32 (vLLM on CPU).
 

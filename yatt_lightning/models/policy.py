@@ -19,10 +19,11 @@ import torch
 
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
+from yatt_lightning.models.expert_gather import gather_experts
 from yatt_lightning.models.families import arch_of
 from yatt_lightning.models.gpt import build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
-from yatt_lightning.models.hf_weights import global_expert, load_hf_weights, safetensors_reader
+from yatt_lightning.models.hf_weights import load_hf_weights, safetensors_reader
 from yatt_lightning.models.one_storage import into_one_storage
 from yatt_lightning.models.router_figures import RouterFigures
 from yatt_lightning.training.optim import OptimizerSettings
@@ -318,16 +319,13 @@ class MegatronPolicy(torch.nn.Module):
         """This PP stage's weights under Hugging Face names, gathered over the TP group."""
         from megatron.core import parallel_state as ps
 
-        group = ps.get_tensor_model_parallel_group()
+        group, experts = ps.get_tensor_model_parallel_group(), []
         for name, param in self.local_module().named_parameters():
             if ".lora." in name:  # adapters: export_adapter
                 continue
             local = param.detach()
-            if self.ep > 1 and ".local_experts." in name:  # every rank's copy of this local expert, by global number
-                copies = [torch.empty_like(local) for _ in range(self.ep)]
-                torch.distributed.all_gather(copies, local.contiguous(), group=ps.get_expert_model_parallel_group())
-                for r, full in enumerate(copies):
-                    yield from self.hf_names(global_expert(name, r * self.local_experts), full)
+            if self.ep > 1 and ".local_experts." in name:  # every rank's experts, gathered layer by layer below
+                experts.append((name, local))
                 continue
             if self.tp > 1 and convert.tp_split_dim(name, self.arch) is not None:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
@@ -335,6 +333,8 @@ class MegatronPolicy(torch.nn.Module):
                 full = convert.unshard(name, shards, self.arch)
             else:
                 full = local
+            yield from self.hf_names(name, full)
+        for name, full in gather_experts(experts, self.local_experts, ps.get_expert_model_parallel_group()):
             yield from self.hf_names(name, full)
 
     def _adapter_stage(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,25 +17,31 @@ TINY_QWEN3 = "builtin:tiny-qwen3"
 TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
 TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
             "router_aux_loss_coef": 0.001}  # fmt: skip
-QWEN3_MODELS = (TINY_QWEN3, TINY_QWEN3_MOE)
+# bench/moe.py's model (about 13M parameters, 12M of them experts): hidden 256, 4 layers, 8 experts of 512.
+SMALL_QWEN3_MOE = "builtin:small-qwen3-moe"
+SMALL_SHAPE = {**TINY_QWEN2_SHAPE, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
+SMALL_MOE = {**TINY_MOE, "moe_intermediate_size": 512}
+QWEN3_MODELS = (TINY_QWEN3, TINY_QWEN3_MOE, SMALL_QWEN3_MOE)
 
 
 def build_tiny_qwen3(name: str = TINY_QWEN3, seed: int = 1234) -> Path:
     """Build (once) and return the folder of the built-in model ``name``; safe under concurrent ranks."""
     from yatt_lightning.datamodules.tasks import AlphabetTask
 
-    moe = TINY_MOE if name == TINY_QWEN3_MOE else None
+    moe = {TINY_QWEN3_MOE: TINY_MOE, SMALL_QWEN3_MOE: SMALL_MOE}.get(name)
+    shape = SMALL_SHAPE if name == SMALL_QWEN3_MOE else TINY_QWEN2_SHAPE
     corpus = list(AlphabetTask.corpus())
-    key = hashlib.sha256(json.dumps([TINY_QWEN2_SHAPE, moe, SPECIAL_TOKENS, seed, corpus]).encode())
+    key = hashlib.sha256(json.dumps([shape, moe, SPECIAL_TOKENS, seed, corpus]).encode())
     out = cache_dir() / f"{name.removeprefix('builtin:')}-{key.hexdigest()[:12]}"
-    return build_once(out, lambda tmp: _write(tmp, seed, corpus, moe))
+    return build_once(out, lambda tmp: _write(tmp, seed, corpus, shape, moe))
 
 
-def _write(folder: Path, seed: int, corpus, moe: dict | None) -> None:
+def _write(folder: Path, seed: int, corpus, shape: dict, moe: dict | None) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shape = dict(TINY_QWEN2_SHAPE)
+    shape = dict(shape)
     tokenizer = train_tokenizer(corpus, shape["vocab_size"])
     rope = {"rope_type": "default", "rope_theta": shape.pop("rope_theta")}
     common = dict(rope_parameters=rope, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
