@@ -101,10 +101,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--model", default="builtin:small-qwen3-moe")
-    p.add_argument("--smoke", action="store_true", help="the tiny Qwen3-MoE, 4 steps, 2 repeats")
+    p.add_argument("--smoke", action="store_true", help="the tiny Qwen3-MoE, 3 steps, 2 repeats")
     args = p.parse_args()
     if args.smoke:
-        args.model, args.steps, args.warmup, args.repeats = "builtin:tiny-qwen3-moe", 4, 1, 2
+        args.model, args.steps, args.warmup, args.repeats = "builtin:tiny-qwen3-moe", 3, 1, 2
     with tempfile.TemporaryDirectory() as tmp:
         runs = {mode: _run(Path(tmp), mode, args) for mode in ("ep2", "dp2")}
     train = {m: statistics.median(r["train"] for r in runs[m]["rows"][args.warmup :]) for m in runs}

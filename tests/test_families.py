@@ -117,6 +117,7 @@ def test_expert_parallel_layouts_are_checked_naming_the_key():
         MegatronStrategy(expert_tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_each_family_gives_transformers_logits_at_every_layout_and_exports_its_folder(tmp_path):
     """Tier 2 (2 gloo processes): Qwen3 (QK-norm, tied), Qwen3-MoE (8 experts, top 2), a Llama 3.1-style folder
     (llama3 rope scaling) and Mistral with a window of 8 on 40-token sequences, each written by plain
@@ -133,16 +134,3 @@ def test_each_family_gives_transformers_logits_at_every_layout_and_exports_its_f
         assert entry["export_equal"], key
         assert entry["logit_diff"] < 1e-4, (key, entry)
     assert result["tp1/mistral-window"]["without_window_diff"] > 0.1
-
-
-@pytest.mark.slow
-def test_a_mixture_of_experts_in_the_engine_takes_pushed_experts(tmp_path):
-    """vLLM 0.32 on CPU prepacks expert weights after the first load only: before the worker extension packed
-    them again, any push left the engine 0.1 off in logprobs, even a push of the weights it already held. Pushes
-    that change every tensor of a Qwen3-MoE (experts, router, attention, QK-norms) land: the engine's logprobs
-    equal transformers' on the pushed model (< 1e-3), and on the first model again after pushing it back."""
-    from tests.helpers import run_script
-
-    result = run_script("family_engine.py", str(tmp_path), "qwen3-moe", timeout=400)
-    assert result["before"] < 1e-3 and result["pushed"] < 1e-3 and result["restored"] < 1e-3, result
-    assert result["stale"] > 100 * max(result["pushed"], 1e-6), result  # the pushed model is another one

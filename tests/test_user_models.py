@@ -17,13 +17,13 @@ pytestmark = pytest.mark.slow
 def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
     """A user's Qwen3 (QK-norm, tied, ChatML) and Llama 3.1-style folder (llama3 rope scaling) each learn the
     alphabet task through `yatt fit` (last 10 steps' mean reward at least 0.4 above the first 10's; both measured
-    0.03 -> 0.52 by step 80); Qwen2, Llama with tied embeddings (and a system prompt) and Mistral with a window of
+    0.03 -> 0.51 at 60 steps); Qwen2, Llama with tied embeddings (and a system prompt) and Mistral with a window of
     8 tokens (shorter than its prompts) train 6 steps. On every step of every run the engine's logprobs of the
     sampled tokens equal the policy's (< 1e-3: a tied output layer the engine failed to reload would be 0.1-0.2
     off, a window one side ignored about as much), the prompt the engine sampled from is the tokenizer's own
     ``apply_chat_template`` ids, and the export loads in transformers with every tensor the trained one (a tied
     model stays tied)."""
-    result = run_script("user_models_fit.py", str(tmp_path), "qwen3=80", "llama3=80", "qwen2=6", "llama-tied=6",
+    result = run_script("user_models_fit.py", str(tmp_path), "qwen3=60", "llama3=60", "qwen2=6", "llama-tied=6",
                         "mistral-window=6", timeout=900)  # fmt: skip
     chatml, user = "<|im_start|>user\nafter ", "<|begin_of_text|>USER: after "
     marks = {"qwen3": chatml, "llama3": user, "qwen2": chatml, "mistral-window": chatml,
@@ -39,7 +39,7 @@ def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
     for family in ("qwen3", "llama3"):
         rewards = result[family]["rewards"]
         first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
-        assert len(rewards) == 80 and last >= first + 0.4, (family, first, last)
+        assert len(rewards) == 60 and last >= first + 0.4, (family, first, last)
 
 
 def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_path):
