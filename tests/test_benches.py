@@ -35,7 +35,7 @@ LAST_LINE = {
     "learning.py": r"learning_min_margin=(?P<margin>\S+)",
     "lora.py": r"lora_gain=(?P<lora>\S+) full_gain=(?P<full>\S+) trainable_share=(?P<share>\S+) "
     r"sync_bytes_ratio=(?P<sync>\S+) optimizer_bytes_ratio=(?P<opt>\S+) lora_logprob_diff=(?P<diff>\S+)",
-    "moe.py": r"ep_over_dp_step=(?P<ep>\S+) push_over_vllm_load=(?P<push>\S+) moe_logprob_diff=(?P<diff>\S+) "
+    "moe.py": r"ep_over_dp_step=nan push_over_vllm_load=(?P<push>\S+) moe_logprob_diff=(?P<diff>\S+) "
     r"moe_logprob_diff_replay=nan experts_pushed_bytes=(?P<bytes>\d+)",
     "multimodal_controller.py": r"rank0_peak_mem_growth=(?P<parallel>\S+) single_controller_growth=(?P<single>\S+)",
     "placement.py": r"partial_over_full=(?P<ratio>\S+)",
@@ -73,7 +73,8 @@ def check(name: str, figures: dict[str, float]) -> None:
         # token, gives 0); the engine's logprobs match Megatron's over a positive count of sampled tokens (a
         # multi-turn comparison that compared nothing printed 0.0 and passed); 64 episodes of 0.1 s answers take
         # far less than the answers one after another (an agent loop that waited on each tool call gives ~1).
-        # The learning runs print nan here: tests/test_soak.py runs them (the tool's gain beats the gain without it).
+        # The learning runs print nan here: tests/test_soak.py runs the tool run to 200 steps (bench/RESULTS.md has
+        # the tool against no tool).
         assert f["exact"] == 1 and f["diff"] < 1e-3 and f["tokens"] > 0 and f["overlap"] < 0.5
     elif name == "algorithms.py":  # every algorithm's tiny config, 20 RL steps: each raises the task reward by
         # more than 0.05 over windows of 5 (an estimator, loss or sign that did not learn stays at +-0.03)
@@ -123,11 +124,8 @@ def check(name: str, figures: dict[str, float]) -> None:
         # engine, 2 x 8 x (128x128 + 128x64) fp32 (a push of the rank's own 4 experts gives half), and the engine
         # holds them (without repacking the experts after a reload, 0.1 off from the first push on); the push
         # includes the engine's load (one that skipped it would be ~0)
+        # (the smoke runs EP=2 only: the DP=2 comparison is the full size's, bench/RESULTS.md)
         assert f["bytes"] == 2 * 8 * (128 * 128 + 128 * 64) * 4 and f["diff"] < 1e-3 and f["push"] > 0.6
-        # the EP=2 and DP=2 runs trained the same batches (their first rewards agree, see below); EP=2 does the
-        # same work, so its training phase is within a factor of 3 (one that skipped its experts' backward, or
-        # waited out a timeout in its all-to-all, is far outside)
-        assert 0.3 < f["ep"] < 3
     elif name == "multimodal_controller.py":  # 1 and 2 ranks, 64 KB images, the parallel controller only: rank
         # 0's peak memory does not grow with the ranks (one that held every rank's images grows with them; a
         # figure below 0.9 would mean the 1-rank run measured something else)
@@ -189,9 +187,6 @@ def test_bench_runs_at_its_smoke_size(name, tmp_path):
     if name == "lora.py":  # the full and the LoRA run start from one base with the adapters at zero: their first
         # step samples the same completions (an adapter initialised non-zero, or a different base, does not)
         first = re.findall(r"^(?:full|LoRA): reward (\S+) at step 1", proc.stdout, re.M)
-        assert len(first) == 2 and first[0] == first[1], proc.stdout[-2000:]
-    if name == "moe.py":  # the same prompts, seeds and weights: the first step's rewards agree at EP=2 and DP=2
-        first = re.findall(r"^(?:ep2|dp2): .* rewards \[(\S+),", proc.stdout, re.M)
         assert len(first) == 2 and first[0] == first[1], proc.stdout[-2000:]
     if name == "step_efficiency.py":  # the engine sampled the bare vLLM's tokens (same seeds, same weights)
         assert "same tokens as the bare engine: True" in proc.stdout.splitlines(), proc.stdout[-2000:]
