@@ -198,33 +198,20 @@ def test_fit_trains_logs_and_checkpoints(tmp_path, tiny_model_path):
 
 
 @pytest.mark.slow
-def test_user_model_prompts_and_reward_without_editing_the_package(tmp_path, tiny_model_path):
-    """A user's own HF folder (--model.policy.path), jsonl prompts (--data.path) and reward function
-    from a module in the working directory (--model.reward_fn)."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"after {c} comes", "target": c}) + "\n" for c in "abcdefgh"))
-    (tmp_path / "my_reward.py").write_text(
-        textwrap.dedent(
-            """
-            def score(prompt: str, completion: str, **row) -> float:
-                assert "target" in row, row
-                return float(row["target"] in completion)
-            """
-        )
-    )
-    common = ["fit", "--config", TINY, "--trainer.max_steps", "2", "--trainer.logger", "false",
-              "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-              "--model.policy.path", str(tiny_model_path), "--data.path", str(data), "--data.batch_size", "4"]  # fmt: skip
-    yatt([*common, "--model.reward_fn", "my_reward.score"], cwd=tmp_path, timeout=600)
-
-    # A reward function that raises: tests/test_bad_input.py::test_reward_error_at_run_time.
-
-
-@pytest.mark.slow
-def test_a_users_estimator_in_their_own_file_trains_from_yaml(tmp_path):
+def test_a_users_estimator_reward_prompts_and_model_folder_train_without_editing_the_package(tmp_path, tiny_model_path):
     """A subclass of AdvantageEstimator in the user's own file (the working directory, no PYTHONPATH),
     selected by its class_path in the user's YAML with its own argument, computes every step's advantages
-    and the policy trains on them. One with an estimator's name already taken is refused naming both."""
+    and the policy trains on them; in the same run the user's own HF folder (--model.policy.path), jsonl
+    prompts with a field of their own (--data.path) and reward function from a module in the working directory
+    (--model.reward_fn), which receives that field. One with an estimator's name already taken is refused
+    naming both. (A reward function that raises: tests/test_bad_input.py::test_reward_error_at_run_time.)"""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"after {c} comes", "target": c}) + "\n" for c in "abcdefghijklmnop"))
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompt: str, completion: str, **row) -> float:\n"
+        "    assert 'target' in row, row\n"
+        "    return float(len(completion) % 2)\n"
+    )
     (tmp_path / "my_algos.py").write_text(
         textwrap.dedent(
             """
@@ -265,7 +252,8 @@ def test_a_users_estimator_in_their_own_file_trains_from_yaml(tmp_path):
     )
     common = ["fit", "--config", TINY, "--trainer.max_steps", "3", "--trainer.callbacks", "[]",
               "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path / "runs")]  # fmt: skip
-    yatt([*common, "--config", "mine.yaml"], cwd=tmp_path, timeout=600)
+    users = ["--model.policy.path", str(tiny_model_path), "--data.path", str(data), "--model.reward_fn", "my_reward.score"]
+    yatt([*common, "--config", "mine.yaml", *users], cwd=tmp_path, timeout=600)
     assert (tmp_path / "calls.txt").read_text().splitlines() == ["128 2.0"] * 3  # 16 prompts x 8 samples, 3 steps
     scalars = read_scalars(tmp_path / "runs")
     assert len(scalars["actor/grad_norm"]) == 3 and all(v > 0 for _, v in scalars["actor/grad_norm"])
