@@ -134,3 +134,20 @@ def test_each_family_gives_transformers_logits_at_every_layout_and_exports_its_f
         assert entry["export_equal"], key
         assert entry["logit_diff"] < 1e-4, (key, entry)
     assert result["tp1/mistral-window"]["without_window_diff"] > 0.1
+
+
+def test_what_a_mixture_of_experts_cannot_run_yet_is_refused_before_start_naming_the_key(tmp_path):
+    """In-process `yatt fit`, nothing starts: a critic on a MoE, expert parallelism beside a placement that trains on
+    some ranks only, experts that the expert-parallel size does not divide."""
+    from tests.helpers import REPO, yatt_in_process
+
+    moe = ["fit", "--config", str(REPO / "configs" / "grpo_qwen3_moe_tiny.yaml"), "--trainer.callbacks", "[]"]
+    code, err = yatt_in_process([*moe, "--model.advantage_estimator", "yatt_lightning.algorithms.GAE",
+                                 "--model.critic", "{}"], cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "`model.critic`: " in err and "is a mixture of experts; a critic on one is not supported yet" in err, err
+    code, err = yatt_in_process([*moe, "--trainer.devices", "3", "--trainer.strategy.placement",
+                                 "yatt_lightning.placement.Disaggregated"], cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "`trainer.strategy.expert_model_parallel_size` 2 with Disaggregated" in err, err
+    code, err = yatt_in_process([*moe, "--trainer.devices", "4", "--trainer.strategy.expert_model_parallel_size", "4",
+                                 "--model.policy.path", "builtin:tiny-qwen3"], cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "`trainer.strategy.expert_model_parallel_size`=4: the model (qwen3) has no experts" in err, err

@@ -30,6 +30,15 @@ def check_run(model, datamodule, trainer) -> None:
     tokenizer = load_tokenizer(path)
     if getattr(model, "lora", None) is not None:
         check_lora(trainer, model.lora, arch, path)
+    critic = getattr(model, "critic", None)
+    if critic is not None:
+        critic_path = critic.path.resolve() if critic.path is not None else path
+        if arch_of(AutoConfig.from_pretrained(critic_path)).moe is not None:
+            raise ValueError(
+                f"`model.critic`: {critic_path} is a mixture of experts; a critic on one is not supported yet (its "
+                "load-balancing loss and routing figures would mix with the policy's). Give `model.critic.path` a "
+                "dense model's folder, or use an estimator without a critic (GRPO, RLOO, REINFORCE++)."
+            )
     if not hasattr(model, "sampling"):  # a stage without a rollout (SFT, DPO): its rows, as it will read them
         check_writable(trainer)
         if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
