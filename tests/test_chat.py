@@ -64,7 +64,7 @@ def test_without_a_template_the_prompt_is_plain_text_with_the_tokenizers_special
     fmt = PromptFormat.of(folders[family], tok, apply_chat_template=False)
     plain = tok("after f", add_special_tokens=True)["input_ids"]
     assert fmt.ids({"prompt": "after f"}) == plain
-    assert (plain[0] == tok.bos_token_id) == (family != "qwen2")  # Llama 3 and Mistral put a BOS in front
+    assert (plain[0] == tok.bos_token_id) == (not family.startswith("qwen"))  # Llama 3 and Mistral put a BOS in front
     messages = [{"role": "user", "content": "after"}, {"role": "user", "content": "f"}]
     assert fmt.ids({"messages": messages, "prompt": "f"}) == tok("after\nf", add_special_tokens=True)["input_ids"]
     with pytest.raises(ValueError, match=r"`model.system_prompt` is set but `model.apply_chat_template` is false"):
