@@ -15,18 +15,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
-    """A user's Qwen3 (QK-norm, tied, ChatML) and Llama 3.1-style folder (llama3 rope scaling) each learn the
-    alphabet task through `yatt fit` (last 10 steps' mean reward at least 0.4 above the first 10's; both measured
+    """A user's Qwen3 (QK-norm, tied, ChatML), Llama 3.1-style folder (llama3 rope scaling) and Qwen3-MoE (8
+    experts, top 2; one process, every expert on it: tests/test_moe.py runs one at EP=2) each learn the alphabet
+    task through `yatt fit` (last 10 steps' mean reward at least 0.4 above the first 10's; the dense ones measured
     0.03 -> 0.51 at 60 steps); Qwen2, Llama with tied embeddings (and a system prompt) and Mistral with a window of
     8 tokens (shorter than its prompts) train 6 steps. On every step of every run the engine's logprobs of the
     sampled tokens equal the policy's (< 1e-3: a tied output layer the engine failed to reload would be 0.1-0.2
     off, a window one side ignored about as much), the prompt the engine sampled from is the tokenizer's own
     ``apply_chat_template`` ids, and the export loads in transformers with every tensor the trained one (a tied
     model stays tied)."""
-    result = run_script("user_models_fit.py", str(tmp_path), "qwen3=60", "llama3=60", "qwen2=6", "llama-tied=6",
-                        "mistral-window=6", timeout=900)  # fmt: skip
+    result = run_script("user_models_fit.py", str(tmp_path), "qwen3=60", "llama3=60", "qwen3-moe=60", "qwen2=6",
+                        "llama-tied=6", "mistral-window=6", timeout=900)  # fmt: skip
     chatml, user = "<|im_start|>user\nafter ", "<|begin_of_text|>USER: after "
-    marks = {"qwen3": chatml, "llama3": user, "qwen2": chatml, "mistral-window": chatml,
+    marks = {"qwen3": chatml, "llama3": user, "qwen3-moe": chatml, "qwen2": chatml, "mistral-window": chatml,
              "llama-tied": "<|begin_of_text|>You are a helpful assistant.\nUSER: after "}  # fmt: skip
     for family, r in result.items():
         assert r["prompt_ids"] == r["tokenizer_ids"], family
@@ -36,7 +37,7 @@ def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
         assert r["moved"] == r["tensors"], f"{family}: {r['moved']} of {r['tensors']} exported tensors were trained"
         assert {"chat_template.jinja", "tokenizer.json", "tokenizer_config.json"} <= set(r["export_files"]), family
     assert [f for f, r in result.items() if r["export_tied"]] == ["qwen3", "llama-tied"]
-    for family in ("qwen3", "llama3"):
+    for family in ("qwen3", "llama3", "qwen3-moe"):
         rewards = result[family]["rewards"]
         first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
         assert len(rewards) == 60 and last >= first + 0.4, (family, first, last)
