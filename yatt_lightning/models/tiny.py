@@ -98,14 +98,21 @@ def train_tokenizer(corpus, vocab_size: int) -> Any:
 
 
 def _write_tiny_qwen2(folder: Path, seed: int, corpus, shape: dict) -> None:
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    write_tiny(folder, seed, corpus, shape, Qwen2Config, Qwen2ForCausalLM)
+
+
+def write_tiny(folder: Path, seed: int, corpus, shape: dict, config_class, model_class, **extra) -> None:
+    """A random-initialised ``model_class`` of ``shape`` (``extra``: config arguments added or replaced) and the tokenizer
+    trained on ``corpus``, written into ``folder`` as ``save_pretrained`` writes them."""
+    import torch
 
     shape = dict(shape)
     tokenizer = train_tokenizer(corpus, shape["vocab_size"])
     rope_theta = shape.pop("rope_theta")
-    config = Qwen2Config(
-        **shape,
+    config = config_class(
+        **{**shape, **extra},
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -113,6 +120,6 @@ def _write_tiny_qwen2(folder: Path, seed: int, corpus, shape: dict) -> None:
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     save_pretrained(model, folder)
     tokenizer.save_pretrained(folder)

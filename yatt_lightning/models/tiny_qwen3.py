@@ -10,8 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
-from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, train_tokenizer
+from yatt_lightning.models.build_cache import build_once, cache_dir
+from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, write_tiny
 
 TINY_QWEN3 = "builtin:tiny-qwen3"
 TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
@@ -38,18 +38,9 @@ def build_tiny_qwen3(name: str = TINY_QWEN3, seed: int = 1234) -> Path:
 
 
 def _write(folder: Path, seed: int, corpus, shape: dict, moe: dict | None) -> None:
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shape = dict(shape)
-    tokenizer = train_tokenizer(corpus, shape["vocab_size"])
-    rope = {"rope_type": "default", "rope_theta": shape.pop("rope_theta")}
-    common = dict(rope_parameters=rope, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  bos_token_id=None, torch_dtype="float32")  # fmt: skip
-    torch.manual_seed(seed)
     if moe is None:
-        model = Qwen3ForCausalLM(Qwen3Config(**{**shape, "tie_word_embeddings": True}, **common))
+        write_tiny(folder, seed, corpus, shape, Qwen3Config, Qwen3ForCausalLM, tie_word_embeddings=True)
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **moe, **common))
-    save_pretrained(model, folder)
-    tokenizer.save_pretrained(folder)
+        write_tiny(folder, seed, corpus, shape, Qwen3MoeConfig, Qwen3MoeForCausalLM, **moe)

@@ -33,7 +33,8 @@ def check_run(model, datamodule, trainer) -> None:
     critic = getattr(model, "critic", None)
     if critic is not None:
         critic_path = critic.path.resolve() if critic.path is not None else path
-        if arch_of(AutoConfig.from_pretrained(critic_path)).moe is not None:
+        critic_arch = arch_of(AutoConfig.from_pretrained(critic_path)) if critic.path is not None else arch
+        if critic_arch.moe is not None:
             raise ValueError(
                 f"`model.critic`: {critic_path} is a mixture of experts; a critic on one is not supported yet (its "
                 "load-balancing loss and routing figures would mix with the policy's). Give `model.critic.path` a "

@@ -82,7 +82,7 @@ class DecoderFamily:
         if types is not None:
             layers = tuple(t == "sliding_attention" for t in types)
             return (window, layers) if any(layers) and window is not None else (None, ())
-        return (window, ()) if window is not None else (None, ())
+        return window, ()
 
     def moe(self, cfg, where: str) -> MoEArch | None:
         return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -81,18 +80,22 @@ class WeightTable:
         if len(set(seen)) != len(seen):
             raise ValueError(f"a weight table names a Megatron parameter twice: {seen}")
         self.rows = tuple(rows)
-
-    @cached_property
-    def _compiled(self) -> list[tuple[re.Pattern, Row]]:
-        return [(_pattern(r.megatron), r) for r in self.rows]
+        self._compiled = [(_pattern(r.megatron), r) for r in self.rows]
+        # name -> (row, numbers): a push looks each parameter up several times (TP dim, gating, names), every push
+        self._found: dict[str, tuple[Row, dict[str, int]]] = {}
 
     def row(self, name: str) -> tuple[Row, dict[str, int]]:
-        """The row of the Megatron parameter ``name`` and its layer / expert numbers."""
-        for pattern, row in self._compiled:
-            m = pattern.match(name)
-            if m:
-                return row, {k: int(v) for k, v in m.groupdict().items()}
-        raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+        """The row of the Megatron parameter ``name`` and its layer / expert numbers (a dict of the caller's)."""
+        if name not in self._found:
+            for pattern, row in self._compiled:
+                m = pattern.match(name)
+                if m:
+                    self._found[name] = row, {k: int(v) for k, v in m.groupdict().items()}
+                    break
+            else:
+                raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+        row, numbers = self._found[name]
+        return row, dict(numbers)
 
     def tp_dim(self, name: str) -> int | None:
         try:
