@@ -121,17 +121,18 @@ def spawn_gloo(target, world: int = 2, timeout: float = 120) -> dict:
 
 def growth(scalars: dict, rank: int = 0, warm: int = 10) -> dict[str, float]:
     """What a run accumulated, from its TensorBoard figures ``process/*/rank<r>``: threads and open files from
-    step ``warm`` to the end (counts), and resident memory in GB per 100 steps, the least-squares slope over
-    the run's second half. Memory warms up longer: in an agent run it rises ~0.35 GB over the first ~90 steps
-    (native caches keyed by shape, as the episodes' lengths vary: Python's heap grows 0.4 MB there, by
-    tracemalloc, and malloc_trim gives back ~0.1 GB) and then holds within a few MB; a leak of a sample's
-    tensors or an engine request per step keeps rising."""
-    import statistics
-
+    step ``warm`` to the end (counts), and resident memory in GB per 100 steps, measured on its floor: the least
+    RSS of the run's last quarter less the least of its third quarter. The floor, not a fitted slope: RSS saws
+    (an agent run's rises ~80 MB and falls back every 48 steps), and a least-squares line through a saw reads
+    0.03 or 0.06 by where the teeth fall (0.062 in a clean clone's CI run of 2026-12-07, 0.040 in a quiet run
+    beside it whose floor rose 0.033); a leak lifts the floor. Memory warms up over the first half: in an agent
+    run it rises ~0.35 GB over the first ~90 steps (native caches keyed by shape, as the episodes' lengths vary:
+    Python's heap grows 0.4 MB there, by tracemalloc); a leak of a sample's tensors or an engine request per
+    step keeps rising."""
     threads = [v for _, v in scalars[f"process/threads/rank{rank}"]]
     fds = [v for _, v in scalars[f"process/open_fds/rank{rank}"]]
     rss = [v for _, v in scalars[f"process/rss_gb/rank{rank}"]]
-    rss = rss[len(rss) // 2 :]
-    slope = statistics.linear_regression(list(range(len(rss))), rss).slope * 100
-    return {"threads": threads[-1] - threads[warm - 1], "fds": fds[-1] - fds[warm - 1], "rss_gb_per_100": slope,
-            "threads_max": max(threads)}  # fmt: skip
+    quarter = len(rss) // 4
+    floor_rise = min(rss[3 * quarter :]) - min(rss[2 * quarter : 3 * quarter])
+    return {"threads": threads[-1] - threads[warm - 1], "fds": fds[-1] - fds[warm - 1],
+            "rss_gb_per_100": floor_rise * 100 / quarter, "threads_max": max(threads)}  # fmt: skip
