@@ -74,10 +74,10 @@ def _episodes(sleep_s: float, turns: int) -> dict:
 
     from yatt_lightning.agents import Agent, GuessEnvironment, Observation
     from yatt_lightning.agents.environment import Environment, Episode
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.models.tiny import build_tiny_qwen2
-    from yatt_lightning.rollout.base import SamplingConfig
     from yatt_lightning.rollout.types import RolloutRequest
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
     class Sleepy(Environment):
         def __init__(self, sleep_s: float) -> None:

@@ -82,7 +82,7 @@ def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
             self.rows, self.last, self.end = [], None, {}
 
         def on_train_start(self, trainer, module) -> None:
-            if mode != "probe" or trainer.strategy.role != "rollout":
+            if mode != "probe" or trainer.strategy.role.trains:
                 return
             engine, stream, steps = trainer.strategy.engine, trainer.strategy.engine.generate_stream, iter(PROBE)
 
@@ -95,7 +95,7 @@ def _child(out: Path, mode: str, config: str, overrides: list[str]) -> None:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             now = time.perf_counter()
-            if trainer.strategy.role == "rollout" or outputs is None:
+            if trainer.strategy.role.only_rolls_out or outputs is None:
                 return
             s = outputs["stats"].scalars
             produce = s["time/rollout"] + s["time/sync"] + s["time/reward"]
@@ -146,7 +146,7 @@ def _publish_over_bare(strategy, module) -> dict:
     version = torch.tensor([placement.updates + 1])  # the trainer's next version
     torch.distributed.broadcast(version, src=0)
     version = int(version)
-    trainer = strategy.role == "train"
+    trainer = strategy.role.only_trains
     size = torch.zeros(1, dtype=torch.int64)
     if trainer:  # one publish first: the bare one moves as many bytes as a publish sends
         named, rename = placement.weights_of(module.policy)

@@ -51,9 +51,9 @@ def main() -> None:
 
     from yatt_lightning.models.cpu import cpu_mode, megatron_cpu_context
     from yatt_lightning.models.logprobs import token_logprobs
+    from yatt_lightning.models.optim import OptimizerSettings
     from yatt_lightning.models.policy import MegatronPolicy
     from yatt_lightning.models.tiny import build_tiny_qwen2
-    from yatt_lightning.training.optim import OptimizerSettings
 
     if cpu_mode() != smoke:
         sys.exit("the CPU compatibility layer must be inactive on a GPU machine (and active in --smoke on CPU)")

@@ -153,7 +153,7 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
             self._signals.install()
         self._last_save_time = time.monotonic()
         self._start_step = trainer.global_step
-        if trainer.strategy.role != "colocated":  # a rollout rank that raises joins the trainers' save after it
+        if trainer.strategy.role.split:  # a rollout rank that raises joins the trainers' save after it
             trainer.strategy.placement.saves_after_failure = True
         if trainer.ckpt_path:  # resumed: the state at this step is already saved
             self._last_saved_step = self._scheduled_step = trainer.global_step
@@ -164,7 +164,7 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
         t0 = time.perf_counter()
         self._signals.reached_safe_point()  # the step in flight at a Ctrl-C ended in time
         self._finalize(trainer, blocking=False)
-        if trainer.strategy.role != "colocated":
+        if trainer.strategy.role.split:
             self._follow(trainer, self._decisions(trainer, final=False))
             self.stall_seconds += time.perf_counter() - t0
             return
@@ -190,9 +190,9 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.strategy.role == "train":
+        if trainer.strategy.role.only_trains:
             self._follow(trainer, self._decisions(trainer, final=True))
-        elif trainer.strategy.role == "rollout":  # the decisions of the trainers' last steps, to their end
+        elif trainer.strategy.role.only_rolls_out:  # the decisions of the trainers' last steps, to their end
             while not trainer.strategy.placement.trainers_done:
                 self._follow(trainer, self._decisions(trainer, final=True))
         elif self.save_at_end and trainer.global_step != self._scheduled_step:
@@ -216,7 +216,7 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
             return
         if space.is_no_space(exception):
             return  # its message says what is saved; another save would meet the same full disk
-        if trainer.strategy.role != "colocated":
+        if trainer.strategy.role.split:
             self._save_after_a_rollout_failure(trainer, exception)
             return
         if trainer.global_step == self._start_step:

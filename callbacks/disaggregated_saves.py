@@ -19,7 +19,7 @@ class DisaggregatedSavePoints:
         """The trainers decide; a rollout rank reports its signal and takes the decisions it follows now."""
         placement = trainer.strategy.placement
         signum = self._signals.received if self.save_on_signal else None
-        if trainer.strategy.role == "rollout":
+        if trainer.strategy.role.only_rolls_out:
             if signum is not None and not self._stop_requested:
                 placement.request_stop(signum)
                 self._stop_requested = True
@@ -33,7 +33,7 @@ class DisaggregatedSavePoints:
     def _follow(self, trainer, decisions: list) -> None:
         for decision in decisions:
             if decision.save:
-                if trainer.strategy.role == "rollout":
+                if trainer.strategy.role.only_rolls_out:
                     trainer.strategy.placement.join_save(decision)
                 self.save(trainer, step=decision.global_step)
             if decision.stop and not decision.final:
@@ -47,7 +47,7 @@ class DisaggregatedSavePoints:
 
         placement, role = trainer.strategy.placement, trainer.strategy.role
         joins = isinstance(exception, ProducerFailed) and exception.joins_save
-        if (role == "train" and not joins) or (role == "rollout" and not placement.joins_save_after(exception)):
+        if (role.only_trains and not joins) or (role.only_rolls_out and not placement.joins_save_after(exception)):
             log.error(
                 "not saving after %s: only a rollout rank's own failure (with one rollout rank) leaves both "
                 "sides in a state to save. `latest` in %s is unchanged.", type(exception).__name__, self.dirpath,
@@ -55,14 +55,14 @@ class DisaggregatedSavePoints:
             return
         saved = None
         try:
-            if role == "train":
+            if role.only_trains:
                 trained = trainer.global_step != self._start_step
                 decisions = [placement.after_failure(trainer.global_step, save=trained)]
             else:  # it follows the trainers' decisions, as at a safe point, to the one after its failure
                 decisions = placement.decisions_after_failure()
             for decision in decisions:
                 if decision.save:
-                    if role == "rollout":
+                    if role.only_rolls_out:
                         placement.join_save(decision)
                     self.save(trainer, asynchronous=False, step=decision.global_step)
                     saved = decision.global_step

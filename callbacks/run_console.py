@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from typing_extensions import override
 
-from yatt_lightning.run import console
+from yatt_lightning.distributed import console
 
 
 class RunConsole(ProgressBar):

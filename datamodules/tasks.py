@@ -76,14 +76,6 @@ class AlphabetTask(Task):
         return {"prompt": "after " + " ".join(LETTERS[(i - k) % 26] for k in range(shown - 1, -1, -1)),
                 "answer": answer}  # fmt: skip
 
-    @staticmethod
-    def corpus() -> Iterator[str]:
-        """Text covering the task's vocabulary, used to train the tiny model's tokenizer."""
-        yield "after comes"
-        yield " ".join(LETTERS + LETTERS)
-        yield " ".join(string.digits)
-        yield ". , : ? ! - + ="
-
 
 class AlphabetPairsTask(AlphabetTask):
     """Preference pairs of the alphabet task: rows ``{"prompt": "after f", "chosen": "g h i j", "rejected": ...}``,
@@ -180,12 +172,6 @@ class ColourTask:
         from yatt_lightning.models.build_cache import cache_dir
 
         return cache_dir() / f"colour-task-{self.num_rows}-{self.image_size}-{self.min_fill}-{self.seed}"
-
-    @staticmethod
-    def corpus() -> Iterator[str]:
-        """Text covering the task's vocabulary (the tiny VLM's tokenizer)."""
-        yield "colour: " + " ".join(sorted(COLOURS))
-        yield from AlphabetTask.corpus()
 
 
 class LookupTask(Task):

@@ -226,7 +226,7 @@ def test_observations_between_turns_hold_the_templates_tokens_and_are_tokenized_
 
 # ------------------------------------------------------------------------------------------ training on episodes
 def test_the_loss_skips_observation_tokens_and_turn_rewards_land_on_their_turns_last_token():
-    from yatt_lightning.rollout.base import Completion, Turns
+    from yatt_lightning.engines.base import Completion, Turns
     from yatt_lightning.rollout.batch import RolloutBatch
     from yatt_lightning.training.batch import TrainingBatch
 

@@ -281,8 +281,8 @@ def test_two_classes_with_one_name_are_refused_naming_both():
     ids=["gae-without-critic", "critic-without-gae", "baseline-group-of-one", "rloo-group-of-one", "kl-in-reward-0"],
 )
 def test_combinations_that_cannot_work_are_refused_at_construction(kwargs, match):
+    from yatt_lightning.engines.base import SamplingConfig
     from yatt_lightning.module import RLHFModule
-    from yatt_lightning.rollout.base import SamplingConfig
 
     if "sampling" in kwargs:
         kwargs["sampling"] = SamplingConfig(**kwargs["sampling"])

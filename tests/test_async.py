@@ -192,7 +192,7 @@ def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
     same seeds: the same samples, rewards and final weights."""
     from safetensors.torch import load_file
 
-    from yatt_lightning.models.builtin import resolve_model_path
+    from yatt_lightning.checkpoint.model_source import resolve_model_path
 
     steps = ["--trainer.max_steps=8", "--data.init_args.batch_size=8"]  # 4 RL steps of 2 optimizer steps
     _fit(tmp_path / "async", *steps, "--trainer.strategy.placement.init_args.max_staleness=0",

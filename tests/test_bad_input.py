@@ -287,7 +287,7 @@ def test_a_reward_that_never_returns_stops_the_run_within_its_deadline_naming_th
 
 STUCK_ENGINE = """
 import threading
-from yatt_lightning.rollout.vllm_engine import VLLMEngine
+from yatt_lightning.engines.vllm_engine import VLLMEngine
 
 class Hung:
     def step(self):

@@ -139,7 +139,7 @@ def test_the_engine_refuses_samples_drawn_after_other_prompt_ids_than_it_was_giv
     """vLLM reports the prompt ids it sampled after; they must be the policy's (images expanded)."""
     from types import SimpleNamespace
 
-    from yatt_lightning.rollout.vllm_outputs import check_prompt
+    from yatt_lightning.engines.vllm_outputs import check_prompt
 
     check_prompt(SimpleNamespace(prompt_token_ids=[5, 9, 9, 2]), [5, 9, 9, 2])
     with pytest.raises(RuntimeError, match=r"other prompt ids than it was given \(5 vs 4 tokens, first difference "

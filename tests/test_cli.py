@@ -45,7 +45,7 @@ def test_every_shipped_config_builds_its_objects_on_cpu(config, tmp_path, monkey
     """Tier 1: the constructors of every shipped config run (and so their checks: layouts, token budgets
     against the model's positions, reward signatures), the GPU configs' too: their model and data paths
     point at stand-ins, the accelerator at the CPU. No process group or engine starts."""
-    from yatt_lightning.models.builtin import resolve_model_path
+    from yatt_lightning.checkpoint.model_source import resolve_model_path
     from yatt_lightning.run.cli import YattCLI
 
     text = config.read_text()

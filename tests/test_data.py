@@ -151,3 +151,15 @@ def test_the_stages_held_out_prompts_occur_in_no_training_row(config):
     train_prompts, held_prompts = {r["prompt"] for r in train}, {r["prompt"] for r in held}
     assert not train_prompts & held_prompts
     assert len(train_prompts) == 78 and len(held_prompts) == 26
+
+
+def test_the_built_in_tasks_words_are_in_the_built_in_tokenizers_corpus():
+    """The tiny models' tokenizers learn ``models/tiny.py``'s corpus; the tasks' words must be in it (a task word
+    it lacks would be spelt in pieces the tiny model never saw)."""
+    from yatt_lightning.datamodules.tasks import COLOURS
+
+    from yatt_lightning.models.tiny import ALPHABET_CORPUS, COLOUR_CORPUS
+
+    words = {w for row in AlphabetTask(num_rows=52).rows() for w in (row["prompt"] + " " + row["answer"]).split()}
+    assert words <= set(" ".join(ALPHABET_CORPUS).split())
+    assert {"colour:", *COLOURS} <= set(" ".join(COLOUR_CORPUS).split()) and set(ALPHABET_CORPUS) <= set(COLOUR_CORPUS)

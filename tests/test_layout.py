@@ -9,13 +9,15 @@ PACKAGE = REPO / "yatt_lightning"
 LIBRARY = [PACKAGE, REPO / "callbacks", REPO / "datamodules"]
 
 
-def _modules() -> dict[str, Path]:
+def _modules(roots=(PACKAGE,)) -> dict[str, Path]:
+    """Module name -> file (``callbacks/`` and ``datamodules/`` are installed as ``yatt_lightning.*``)."""
     mods = {}
-    for f in PACKAGE.rglob("*.py"):
-        parts = list(f.relative_to(REPO).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = f
+    for root in roots:
+        for f in root.rglob("*.py"):
+            parts = list(f.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts if root == PACKAGE else ["yatt_lightning", *parts])] = f
     return mods
 
 
@@ -71,6 +73,31 @@ def test_no_modules_import_each_other_directly_or_in_a_ring():
     assert rings == [], f"modules that import each other (one should hand the other a value): {rings}"
 
 
+def test_no_folders_import_each_other_in_a_ring():
+    """Folders (and the root's modules) form layers: no import, at module level or inside a function, goes
+    from one folder into another that imports back, directly or around a ring (issue 42: one tangle had
+    joined 13 of them)."""
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    edges: dict[str, set[str]] = {}
+    for a, targets in _imports(_modules(tuple(LIBRARY))).items():
+        edges.setdefault(unit(a), set()).update(unit(b) for b in targets if unit(b) != unit(a))
+    reach = {u: set(v) for u, v in edges.items()}
+    changed = True
+    while changed:  # the transitive closure: a unit that reaches itself is in a ring
+        changed = False
+        for u, seen in reach.items():
+            more = set().union(*(reach.get(v, set()) for v in seen)) - seen
+            if more:
+                seen |= more
+                changed = True
+    ringed = sorted(u for u, seen in reach.items() if u in seen)
+    paths = {u: sorted(v for v in edges[u] if u in reach.get(v, set())) for u in ringed}
+    assert ringed == [], f"folders in an import ring (each with the folders it imports that lead back): {paths}"
+
+
 def test_the_package_root_shows_the_architecture():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= 12, root
@@ -104,3 +131,23 @@ def test_nothing_below_the_service_calls_back_up_and_no_step_figure_lives_in_an_
                 if isinstance(t, ast.Attribute) and t.attr in holders and getattr(t.value, "id", "") == "self":
                     kept.append(f"{f.relative_to(PACKAGE)}:{node.lineno} self.{t.attr}")
     assert kept == []
+
+
+def test_no_rank_is_dispatched_on_a_role_string():
+    """What a rank does is asked of its typed role (``placement/role.py``: ``trains``, ``split``, ...), never by
+    comparing a string: 23 such tests in 6 files had drifted apart (issue 42)."""
+
+    def named_role(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "role") or (isinstance(node, ast.Attribute) and node.attr == "role")
+
+    found = []
+    for f in (f for d in LIBRARY for f in d.rglob("*.py") if f.name != "role.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                strings = [s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+                strings += [e for s in sides if isinstance(s, ast.Tuple | ast.List | ast.Set) for e in s.elts
+                            if isinstance(e, ast.Constant)]  # fmt: skip
+                if strings and any(named_role(s) for s in sides):
+                    found.append(f"{f.relative_to(REPO)}:{node.lineno}")
+    assert found == []

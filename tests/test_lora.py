@@ -17,8 +17,8 @@ from yatt_lightning.models.lora import LoRASettings
 
 
 def _policy(path, lora, lr=1e-2):
+    from yatt_lightning.models.optim import OptimizerSettings
     from yatt_lightning.models.policy import MegatronPolicy
-    from yatt_lightning.training.optim import OptimizerSettings
 
     return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=1.0), lora=lora, seed=3)
 
@@ -101,7 +101,7 @@ def test_a_mixture_of_experts_takes_adapters_on_its_attention_as_peft_does(megat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from yatt_lightning.models.builtin import resolve_model_path
+    from yatt_lightning.checkpoint.model_source import resolve_model_path
     from yatt_lightning.models.lora import save_peft
 
     path = resolve_model_path("builtin:tiny-qwen3-moe")

@@ -36,8 +36,8 @@ def hf_model(tiny_model_path):
 
 
 def _policy(path, lr=1e-3, one_storage=False):
+    from yatt_lightning.models.optim import OptimizerSettings
     from yatt_lightning.models.policy import MegatronPolicy
-    from yatt_lightning.training.optim import OptimizerSettings
 
     return MegatronPolicy(path, optimizer=OptimizerSettings(lr=lr, clip_grad=0.0), one_storage=one_storage)
 

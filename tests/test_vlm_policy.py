@@ -26,8 +26,8 @@ def _inputs(path, colours):
 
 
 def _policy(path):
+    from yatt_lightning.models.optim import OptimizerSettings
     from yatt_lightning.models.policy import MegatronPolicy
-    from yatt_lightning.training.optim import OptimizerSettings
 
     return MegatronPolicy(path, optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.0))
 

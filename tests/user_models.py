@@ -56,9 +56,9 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_at
 
 
 def _corpus() -> list[str]:
-    from yatt_lightning.datamodules.tasks import ColourTask
+    from yatt_lightning.models.tiny import COLOUR_CORPUS
 
-    return [*ColourTask.corpus(), "USER ASSISTANT user assistant system You are a helpful assistant."]
+    return [*COLOUR_CORPUS, "USER ASSISTANT user assistant system You are a helpful assistant."]
 
 
 def _bpe(special: list[str], *, metaspace: bool = False, vocab_size: int = 400) -> tuple[dict, list]:

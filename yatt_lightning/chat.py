@@ -3,7 +3,7 @@
 One place, used by the checks before start (:mod:`yatt_lightning.run.preflight`), the RL step
 (:meth:`~yatt_lightning.module.RLHFModule.tokenize_prompt`) and the LLM judge, so that what was checked is
 what runs. The engine receives these ids as they are (it does not tokenize again) and checks that it
-saw them (:mod:`yatt_lightning.rollout.vllm_engine`).
+saw them (:mod:`yatt_lightning.engines.vllm_engine`).
 
 A row is either a ``prompt`` string or chat ``messages`` (``[{"role": ..., "content": ...}, ...]``; the
 data modules accept a ``prompt`` given as such a list too). Decisions:

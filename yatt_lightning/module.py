@@ -25,20 +25,20 @@ from yatt_lightning.algorithms.off_policy import OffPolicyCorrection
 from yatt_lightning.algorithms.overlong import RewardShaping
 from yatt_lightning.callbacks.step_logger import StepLogger
 from yatt_lightning.chat import PromptFormat
+from yatt_lightning.checkpoint.model_source import ModelSpec, policy_tokenizer
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.distributed.seeding import resolve_seed
+from yatt_lightning.engines.base import SamplingConfig
 from yatt_lightning.models.lora import LoRASettings
-from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
+from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.multimodal.image_inputs import ImageInputs
 from yatt_lightning.rewards.base import RewardFunction, RuleReward
-from yatt_lightning.rollout.base import SamplingConfig
 from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices  # noqa: F401 (mini_batch_slices: public here too)
 from yatt_lightning.rollout.dynamic_sampling import DynamicSampling
 from yatt_lightning.rollout.longtail import LongTailPolicy, WaitForAll
 from yatt_lightning.rollout.types import EngineSpec, RolloutRequest, RolloutSetup, Scores
 from yatt_lightning.training.async_steps import AsyncSteps, StepCounter
 from yatt_lightning.training.critic import Critic
-from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
 from yatt_lightning.training.prompts import Prompts
 from yatt_lightning.training.step_metrics import StepContext, step_stats
@@ -217,7 +217,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         self.prompt_format = self.prompt_format_for(path, self.tokenizer)
         if self.agent is not None:
             self.agent.configure(self.tokenizer, self.apply_chat_template, path, self.max_prompt_tokens)
-        if self.trainer.strategy.role == "rollout":  # a disaggregated rollout rank: no Megatron model here
+        if self.trainer.strategy.role.only_rolls_out:  # no Megatron model here
             self.check_disaggregated()
             from transformers import AutoConfig
 
@@ -227,7 +227,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             self.trainer.strategy.rollout.configure(self._rollout_setup())
             return
         dtype = self.policy_spec.torch_dtype()
-        publishes = self.trainer.strategy.role == "train"  # a disaggregated trainer: sends its parameters as they are
+        publishes = self.trainer.strategy.role.only_trains  # sends its parameters as they are
         self.policy = MegatronPolicy(path, params_dtype=dtype, optimizer=self.optimizer_settings, seed=self.seed,
                                      one_storage=publishes, lora=self.lora)  # fmt: skip
         if self.kl_coef > 0:
@@ -250,9 +250,9 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> MegatronOptimizerAdapter | StepCounter:
-        if self.trainer.strategy.role == "rollout":
+        if self.trainer.strategy.role.only_rolls_out:
             return StepCounter()
-        if self.trainer.strategy.role == "train":
+        if self.trainer.strategy.role.only_trains:
             self.check_disaggregated()
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
 
@@ -289,9 +289,9 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
     @override
     def training_step(self, batch: list[dict], batch_idx: int) -> dict | None:
         strategy = self.trainer.strategy
-        if strategy.role == "rollout":
+        if strategy.role.only_rolls_out:
             return self.produce_step(batch)
-        if strategy.role == "train":
+        if strategy.role.only_trains:
             return self.consume_step(batch)
         t0 = time.perf_counter()
         error, rollouts, scores, t1 = None, None, None, t0

@@ -26,9 +26,10 @@ from yatt_lightning.distributed import failures, training_world
 from yatt_lightning.distributed import threads as run_threads
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.distributed.watchdog import Watchdog
+from yatt_lightning.engines.base import RolloutEngine
 from yatt_lightning.models.cpu import megatron_cpu_context
 from yatt_lightning.placement import FullColocation, PartialColocation, Placement
-from yatt_lightning.rollout.base import RolloutEngine
+from yatt_lightning.placement.role import Role
 from yatt_lightning.rollout.controller import Controller, ParallelController
 from yatt_lightning.rollout.service import RolloutService
 from yatt_lightning.rollout.types import EngineStart
@@ -111,7 +112,7 @@ class MegatronStrategy(DDPStrategy):
         self.expert_model_parallel_size = expert_model_parallel_size
         self.expert_tensor_parallel_size = expert_tensor_parallel_size
         if engine is None:
-            from yatt_lightning.rollout.vllm_engine import VLLMEngine
+            from yatt_lightning.engines.vllm_engine import VLLMEngine
 
             engine = VLLMEngine()
         self.engine = engine
@@ -209,15 +210,15 @@ class MegatronStrategy(DDPStrategy):
                                      self.expert_model_parallel_size)  # fmt: skip
 
     @property
-    def role(self) -> str:
-        """``train``, ``rollout`` (a disaggregated placement's two sides) or ``colocated`` (both, in turn)."""
-        return getattr(self.placement, "role", "colocated")
+    def role(self) -> Role:
+        """What this rank does in its placement (``placement/role.py``)."""
+        return self.placement.role
 
     @property
     def data_parallel_rank(self) -> int:
         from megatron.core import parallel_state as ps
 
-        return ps.get_data_parallel_rank() if self.role != "rollout" else 0
+        return ps.get_data_parallel_rank() if self.role.trains else 0
 
     @property
     def is_model_parallel_head(self) -> bool:
@@ -233,7 +234,7 @@ class MegatronStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard data by data-parallel rank: the ranks of one model-parallel group share their data; in a
         # disaggregated placement, the rollout ranks own the rows.
-        if self.role != "colocated":
+        if self.role.split:
             return self.placement.sampler()
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
@@ -246,9 +247,9 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if self.role != "colocated":
+        if self.role.split:
             _unsynchronised_sigterm(trainer)
-        if self.role == "rollout":
+        if self.role.only_rolls_out:
             _run_even_when_done(trainer.fit_loop)
         if not self._engine_started and getattr(self.lightning_module, "needs_engine", True):
             if self.rollout.setup is None:

@@ -36,10 +36,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from yatt_lightning.agents import Agent, OpenAIEndpoint
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.models.tiny import build_tiny_qwen2
-    from yatt_lightning.rollout.base import SamplingConfig
     from yatt_lightning.rollout.types import RolloutRequest
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
     path = build_tiny_qwen2()
     engine = VLLMEngine()

@@ -16,10 +16,10 @@ def main() -> None:
 
     from yatt_lightning.agents import Agent, GuessEnvironment, Observation
     from yatt_lightning.agents.environment import Environment, Episode
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.models.tiny import build_tiny_qwen2
-    from yatt_lightning.rollout.base import SamplingConfig
     from yatt_lightning.rollout.types import RolloutRequest
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
     class Broken(Environment):
         """The guess game, except that the episodes of secret ``hang_on`` never answer and those of

@@ -51,7 +51,7 @@ class Record(Callback):
         self.slow_generate = slow_generate
 
     def on_train_start(self, trainer, module) -> None:
-        if self.slow_generate and trainer.strategy.role == "rollout":
+        if self.slow_generate and trainer.strategy.role.only_rolls_out:
             live = trainer.strategy.placement.live  # the engine asks it for newer weights before each of its steps
             newer = live.newer
 
@@ -66,17 +66,17 @@ class Record(Callback):
         step = getattr(trainer.strategy.placement, "steps", batch_idx)  # the RL step (colocated: the batch)
         if self.kill == (f"sigterm-{role}", step):
             os.kill(os.getpid(), signal.SIGTERM)
-        if self.kill == ("sigkill", step) and role != "rollout":
+        if self.kill == ("sigkill", step) and role.trains:
             os.write(1, f"FAULT: SIGKILL at step {step}\n".encode())
             os.killpg(os.getpgid(0), signal.SIGKILL)
-        if self.slow and role != "rollout":
+        if self.slow and role.trains:
             time.sleep(self.slow)
-        if batch_idx == self.fail_at and role != "train":
+        if batch_idx == self.fail_at and not role.only_trains:
             for row in batch:
                 row["fail_injected"] = True
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.strategy.role == "rollout":
+        if trainer.strategy.role.only_rolls_out:
             placement = trainer.strategy.placement
             with open(self.out / f"produced.rank{trainer.global_rank}.json", "a") as f:
                 f.write(json.dumps({"step": placement.steps - 1, "version": placement.engine_version}) + "\n")
@@ -100,7 +100,7 @@ class Record(Callback):
                 f.write(json.dumps(self.steps[-1]) + "\n")
 
     def on_train_end(self, trainer, module) -> None:
-        if trainer.strategy.role == "rollout":
+        if trainer.strategy.role.only_rolls_out:
             return
         weights = {name: t.clone() for name, t in module.policy.export_hf()}  # collective over the trainers
         (self.out / f"steps.rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))

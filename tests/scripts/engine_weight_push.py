@@ -16,9 +16,9 @@ from safetensors.torch import load_file  # noqa: E402
 def main() -> None:
     from transformers import AutoTokenizer
 
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.models.tiny import build_tiny_qwen2
-    from yatt_lightning.rollout.base import SamplingConfig
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
     path = build_tiny_qwen2()
     tok = AutoTokenizer.from_pretrained(path)

@@ -32,8 +32,8 @@ def worker(rank: int, port: int, folders: dict, queue) -> None:
     from transformers import AutoModelForCausalLM
 
     from yatt_lightning.models.cpu import megatron_cpu_context
+    from yatt_lightning.models.optim import OptimizerSettings
     from yatt_lightning.models.policy import MegatronPolicy
-    from yatt_lightning.training.optim import OptimizerSettings
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

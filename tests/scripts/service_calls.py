@@ -26,7 +26,7 @@ def _strategy(rank: int, world: int, port: int, **kwargs):
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.strategy import MegatronStrategy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
@@ -68,7 +68,7 @@ def _shutdown(strategy) -> None:
 
 def _request(tokenizer, rows, *, step: int = 0, n: int = 4, max_new_tokens: int = 6):
     from yatt_lightning.distributed.seeding import sampling_seed
-    from yatt_lightning.rollout.base import SamplingConfig
+    from yatt_lightning.engines.base import SamplingConfig
     from yatt_lightning.rollout.service import RolloutRequest
 
     return RolloutRequest(

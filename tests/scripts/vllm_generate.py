@@ -12,8 +12,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from yatt_lightning.rollout.base import SamplingConfig
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
 
     path = Path(sys.argv[1])
     engine = VLLMEngine()

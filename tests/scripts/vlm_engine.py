@@ -43,9 +43,9 @@ def main() -> None:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from tests.user_models import LLAVA_LAYOUTS, relayout
+    from yatt_lightning.engines.base import SamplingConfig
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
     from yatt_lightning.models.tiny_llava import IMAGE_TOKEN, IMAGE_TOKENS, build_tiny_llava
-    from yatt_lightning.rollout.base import SamplingConfig
-    from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
     path = build_tiny_llava()
     processor = AutoProcessor.from_pretrained(path)

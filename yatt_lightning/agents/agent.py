@@ -10,7 +10,7 @@ from yatt_lightning.agents.endpoint import OpenAIEndpoint, run_endpoint_episodes
 from yatt_lightning.agents.environment import Environment
 from yatt_lightning.agents.runner import Budgets, run_episodes
 from yatt_lightning.agents.turn_tokens import TurnTokens
-from yatt_lightning.rollout.base import Completion
+from yatt_lightning.engines.base import Completion
 
 
 class Agent:

@@ -23,8 +23,8 @@ from yatt_lightning.agents.openai_server import ChatRequest, ChatServer, reply
 from yatt_lightning.agents.runner import Budgets, EpisodeState
 from yatt_lightning.agents.turn_tokens import TurnTokens
 from yatt_lightning.chat import messages_text, render
+from yatt_lightning.engines.base import Completion, SamplingConfig
 from yatt_lightning.rewards.base import load_callable
-from yatt_lightning.rollout.base import Completion, SamplingConfig
 
 
 class OpenAIEndpoint(Environment):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from yatt_lightning.agents.environment import Episode, Observation
 from yatt_lightning.agents.turn_tokens import TurnTokens
-from yatt_lightning.rollout.base import AGENT_FIGURES, Completion, SamplingConfig, Turns
+from yatt_lightning.engines.base import AGENT_FIGURES, Completion, SamplingConfig, Turns
 
 
 @dataclass

@@ -133,10 +133,10 @@ def begin(strategy, trainer_state: dict[str, Any], final: Path, *, asynchronous:
     strategy.barrier("checkpoint-begin")
     state_bytes = _torch_bytes(trainer_state)  # captured now; written (and fsynced) with the shards
     if _trainers_group(strategy) is not None:  # a disaggregated placement: the rollout ranks write first
-        if strategy.role == "rollout":
+        if strategy.role.only_rolls_out:
             _write_and_describe(None, tmp, strategy.global_rank, state_bytes)  # no weights; the trainers finalize
         strategy.barrier("checkpoint-rollout-parts")
-        if strategy.role == "rollout":
+        if strategy.role.only_rolls_out:
             return None
     with megatron_cpu_context(), without_zip_crc():  # a synchronous save writes here (or in its forks)
         request = dist_checkpointing.save(

@@ -39,7 +39,7 @@ def write_stacks(header: str) -> str:
     """``header`` and every thread's stack to standard error: the library output's file while the run
     console captures it (else the terminal). Returns where that is, for the screen (a full disk loses
     the stacks, never the screen)."""
-    from yatt_lightning.run import console
+    from yatt_lightning.distributed import console
 
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(f"\n{header}\n")

@@ -25,8 +25,8 @@ from yatt_lightning.models.gpt import build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
 from yatt_lightning.models.hf_weights import load_hf_weights, safetensors_reader
 from yatt_lightning.models.one_storage import into_one_storage
+from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.models.router_figures import RouterFigures
-from yatt_lightning.training.optim import OptimizerSettings
 
 
 class MegatronPolicy(torch.nn.Module):

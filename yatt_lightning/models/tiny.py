@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 from pathlib import Path
 from typing import Any
 
 from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
+
+# The text the built-in models' tokenizers learn: the built-in tasks' words (datamodules/tasks.py), each one
+# token (tests/test_data.py checks that every task word is here).
+ALPHABET_CORPUS = ("after comes", " ".join(string.ascii_lowercase * 2), " ".join(string.digits), ". , : ? ! - + =")
+COLOUR_CORPUS = ("colour: blue green red yellow", *ALPHABET_CORPUS)  # the tiny VLM's (the colour task)
 
 TINY_QWEN2 = "builtin:tiny-qwen2"
 
@@ -58,11 +64,9 @@ def build_tiny_qwen2(seed: int = 1234, shape: dict | None = None) -> Path:
     """Build (once) and return the folder of a random-initialised Qwen2-style model of ``shape`` (default:
     the tiny one) with the locally trained tokenizer; safe under concurrent ranks."""
     shape = TINY_QWEN2_SHAPE if shape is None else shape
-    from yatt_lightning.datamodules.tasks import AlphabetTask
-
-    key = hashlib.sha256(json.dumps([shape, SPECIAL_TOKENS, seed, list(AlphabetTask.corpus())]).encode())
+    key = hashlib.sha256(json.dumps([shape, SPECIAL_TOKENS, seed, list(ALPHABET_CORPUS)]).encode())
     out = cache_dir() / f"{'tiny-' if shape == TINY_QWEN2_SHAPE else ''}qwen2-{key.hexdigest()[:12]}"
-    return build_once(out, lambda tmp: _write_tiny_qwen2(tmp, seed, AlphabetTask.corpus(), shape))
+    return build_once(out, lambda tmp: _write_tiny_qwen2(tmp, seed, ALPHABET_CORPUS, shape))
 
 
 def train_tokenizer(corpus, vocab_size: int) -> Any:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from yatt_lightning.models.build_cache import build_once, cache_dir, save_pretrained
-from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, train_tokenizer
+from yatt_lightning.models.tiny import COLOUR_CORPUS, SPECIAL_TOKENS, TINY_QWEN2_SHAPE, train_tokenizer
 
 TINY_LLAVA = "builtin:tiny-llava"
 IMAGE_TOKEN = "<image>"
@@ -31,9 +31,7 @@ IMAGE_TOKENS = (TINY_LLAVA_VISION["image_size"] // TINY_LLAVA_VISION["patch_size
 
 def build_tiny_llava(seed: int = 1234) -> Path:
     """Build (once) and return the folder of the tiny LLaVA; safe under concurrent ranks."""
-    from yatt_lightning.datamodules.tasks import ColourTask
-
-    corpus = list(ColourTask.corpus())
+    corpus = list(COLOUR_CORPUS)
     key = hashlib.sha256(json.dumps([TINY_QWEN2_SHAPE, TINY_LLAVA_VISION, SPECIAL_TOKENS, seed, corpus]).encode())
     out = cache_dir() / f"tiny-llava-{key.hexdigest()[:12]}"
     return build_once(out, lambda tmp: _write(tmp, seed, corpus))

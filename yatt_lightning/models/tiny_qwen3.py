@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from yatt_lightning.models.build_cache import build_once, cache_dir
-from yatt_lightning.models.tiny import SPECIAL_TOKENS, TINY_QWEN2_SHAPE, write_tiny
+from yatt_lightning.models.tiny import ALPHABET_CORPUS, SPECIAL_TOKENS, TINY_QWEN2_SHAPE, write_tiny
 
 TINY_QWEN3 = "builtin:tiny-qwen3"
 TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
@@ -27,11 +27,9 @@ QWEN3_MODELS = (TINY_QWEN3, TINY_QWEN3_MOE, SMALL_QWEN3_MOE)
 
 def build_tiny_qwen3(name: str = TINY_QWEN3, seed: int = 1234) -> Path:
     """Build (once) and return the folder of the built-in model ``name``; safe under concurrent ranks."""
-    from yatt_lightning.datamodules.tasks import AlphabetTask
-
     moe = {TINY_QWEN3_MOE: TINY_MOE, SMALL_QWEN3_MOE: SMALL_MOE}.get(name)
     shape = SMALL_SHAPE if name == SMALL_QWEN3_MOE else TINY_QWEN2_SHAPE
-    corpus = list(AlphabetTask.corpus())
+    corpus = list(ALPHABET_CORPUS)
     key = hashlib.sha256(json.dumps([shape, moe, SPECIAL_TOKENS, seed, corpus]).encode())
     out = cache_dir() / f"{name.removeprefix('builtin:')}-{key.hexdigest()[:12]}"
     return build_once(out, lambda tmp: _write(tmp, seed, corpus, shape, moe))

@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from yatt_lightning.distributed.layout import Layout
+from yatt_lightning.placement.role import Role
 from yatt_lightning.rewards.base import RewardFunction
 from yatt_lightning.rewards.genrm import GenerativeRewardModel
 from yatt_lightning.rollout.types import EngineStart, Generation, RolloutRequest, RolloutSetup
@@ -23,6 +24,11 @@ class Placement:
 
     def check(self, layout: Layout) -> None:
         """Raise a ValueError naming the key if this placement cannot serve the layout (in preflight)."""
+
+    @property
+    def role(self) -> Role:
+        """What this rank does here: every rank does the whole step in a colocated placement."""
+        return Role.COLOCATED
 
     def roles(self, world: int) -> list[list[int]]:
         """The groups of ranks whose steps run together (one: every rank does every stage)."""

@@ -134,6 +134,14 @@ class BatchInbox:
                 raise ProducerFailed(message)
             self.failed = message
 
+    def close(self, timeout_s: float) -> None:
+        """At the end of the run: the rollout rank's :class:`EndOfRun` (or its failure) has ended the receiving
+        thread, so no receive is left open on the channel when the process group goes (a trainer that left
+        with one open aborted at exit, and the rollout rank's send of EndOfRun waited out its timeout)."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"trainer waited {timeout_s:.0f} s for rollout rank {self.src}'s end of the run")
+
     def take(self, step: int, timeout_s: float) -> tuple[Produced, float, int]:
         """The batch of ``step``, the seconds waited for it, and how many batches had arrived (with it)."""
         t0 = time.monotonic()

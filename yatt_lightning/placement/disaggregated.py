@@ -21,9 +21,7 @@ the trainer (default ``max_staleness + 1``). ``max_staleness: 0`` is the synchro
 **Determinism.** With ``fixed_lag: true`` (needs ``on_stale: wait``) step ``s`` trains exactly on what version
 ``max(0, s - max_staleness)`` generated, whatever the timing: a run is reproducible. Without it, which
 version a batch used depends on timing (``on_stale: wait`` uses the newest one allowed), and so do the
-numbers; ``on_stale: drop`` is never deterministic.
-
-**Checkpoints**: :class:`~yatt_lightning.placement.save_points.SavePoints`.
+numbers; ``on_stale: drop`` is never deterministic. **Checkpoints**: :class:`~.save_points.SavePoints`.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from yatt_lightning.placement.batch_channel import (
     Produced,
     ProducerFailure,
 )
+from yatt_lightning.placement.role import Role
 from yatt_lightning.placement.save_points import SavePoints
 from yatt_lightning.placement.weight_channel import (
     ACK,
@@ -180,9 +179,7 @@ class Disaggregated(SavePoints, Placement):
     def engine_version(self, version: int | None) -> None:
         self.live.version = version
 
-    @property
-    def role(self) -> str:
-        return "rollout" if rank() in self.rollout else "train"
+    role = property(lambda self: Role.ROLLOUT if rank() in self.rollout else Role.TRAINER)
 
     def roles(self, world: int) -> list[list[int]]:
         return [self.trainers, self.rollout]
@@ -213,8 +210,8 @@ class Disaggregated(SavePoints, Placement):
 
     # ------------------------------------------------------------------ engines and channels
     def start_engines(self, setup: RolloutSetup, policy_engine: EngineStart) -> None:
+        from yatt_lightning.engines.vllm_groups import join_engine_groups
         from yatt_lightning.rollout.longtail import PartialRollout
-        from yatt_lightning.rollout.vllm_groups import join_engine_groups
 
         if isinstance(setup.long_tail, PartialRollout):
             raise ValueError("`model.long_tail`: PartialRollout with Disaggregated is not supported yet; use WaitForAll.")
@@ -391,9 +388,11 @@ class Disaggregated(SavePoints, Placement):
             self.sender.flush()
             self.receiver.wait(lambda s: s.ended, f"the end of the trainers' step {last_step}", self.timeout_s)
             self.receiver.join(self.timeout_s)
-        elif self.publisher is not None:
-            self.publisher.publish(END, self.updates, last_step)
-            self.publisher.flush(self.timeout_s)
+        else:
+            if self.publisher is not None:
+                self.publisher.publish(END, self.updates, last_step)
+                self.publisher.flush(self.timeout_s)
+            self.inbox.close(self.timeout_s)  # the rollout rank's EndOfRun came: no receive is left open
 
     def parts(self) -> int:
         """Into how many trainers' batches a rollout rank's batch is split."""

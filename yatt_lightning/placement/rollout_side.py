@@ -6,11 +6,11 @@ import itertools
 import time
 
 from yatt_lightning.datamodules.images import images_of
+from yatt_lightning.engines.base import Completion
 from yatt_lightning.placement import stream
 from yatt_lightning.placement.base import memory, rank
 from yatt_lightning.placement.pairing import Pairing
 from yatt_lightning.rewards.base import RewardOutput
-from yatt_lightning.rollout.base import Completion
 from yatt_lightning.rollout.types import Generation, RolloutRequest
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from yatt_lightning.distributed import collectives, wire
 from yatt_lightning.distributed.failures import RankFailure
-from yatt_lightning.rollout.base import Completion
+from yatt_lightning.engines.base import Completion
 
 
 @dataclass(frozen=True)

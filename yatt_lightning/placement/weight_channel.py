@@ -346,7 +346,7 @@ def renamed(named, rename, pool: BufferPool) -> tuple[list[tuple[str, torch.Tens
 
 class LiveWeights:
     """A rollout rank's engine's weights: the version it holds and, when ``live``, the newer versions it applies
-    between its own steps in the middle of a generation (the engine's :class:`~yatt_lightning.rollout.base.WeightFeed`).
+    between its own steps in the middle of a generation (the engine's :class:`~yatt_lightning.engines.base.WeightFeed`).
 
     A generation that spans an update goes on from the keys and values it computed with the older weights,
     and each of its samples records the first and last version of its tokens (as in-flight updates do:

@@ -14,10 +14,10 @@ import string
 from typing import Literal
 
 from yatt_lightning.chat import render
-from yatt_lightning.models.builtin import resolve_model_path
+from yatt_lightning.checkpoint.model_source import resolve_model_path
+from yatt_lightning.engines.vllm_engine import VLLMEngine
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, public_fields
 from yatt_lightning.rewards.parsers import NumberParser, ScoreParser
-from yatt_lightning.rollout.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 

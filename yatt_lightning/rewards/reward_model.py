@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from yatt_lightning.models.builtin import resolve_model_path
+from yatt_lightning.checkpoint.model_source import resolve_model_path
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from yatt_lightning.models.builtin import resolve_model_path
+from yatt_lightning.checkpoint.model_source import resolve_model_path
 from yatt_lightning.rewards.base import RewardError, RewardOutput, TokenRewardFunction
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yatt_lightning.rollout.base import Turns
+from yatt_lightning.engines.base import Turns
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.collectives import gather_objects, scatter_objects
 from yatt_lightning.distributed.failures import fail_together
 from yatt_lightning.distributed.layout import Layout
-from yatt_lightning.rollout.base import Completion
+from yatt_lightning.engines.base import Completion
 from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.types import RolloutRequest, Scores
 

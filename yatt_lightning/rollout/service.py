@@ -23,8 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
+from yatt_lightning.engines.base import RolloutEngine
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, TokenRewardFunction
-from yatt_lightning.rollout.base import RolloutEngine
 from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.types import (  # noqa: F401 (the types' former home: imported from here too)
     EngineSpec,

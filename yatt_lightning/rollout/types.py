@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
+from yatt_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput
-from yatt_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """What the policy's engine is started with, derived from the module's configuration; the engine's
-    own settings and how the two combine: :class:`~yatt_lightning.rollout.vllm_engine.VLLMEngine`."""
+    own settings and how the two combine: :class:`~yatt_lightning.engines.vllm_engine.VLLMEngine`."""
 
     model_path: Path
     seed: int

@@ -24,7 +24,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 from yatt_lightning.distributed.threads import FROM_USER, remember_user_setting  # noqa: E402
-from yatt_lightning.rollout.vllm_engine import set_vllm_env  # noqa: E402
+from yatt_lightning.engines.vllm_engine import set_vllm_env  # noqa: E402
 from yatt_lightning.run import failure_screen  # noqa: E402
 
 remember_user_setting()
@@ -40,8 +40,9 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
+from yatt_lightning.distributed import console  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402, F401
-from yatt_lightning.run import console, errors  # noqa: E402
+from yatt_lightning.run import errors  # noqa: E402
 from yatt_lightning.run.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
 

@@ -46,7 +46,7 @@ def quiet_third_party() -> None:
         logging.getLogger(name).addFilter(
             _DropMessages("GPU available: False", "TPU available", "HPU available", "LOCAL_RANK")
         )
-    from yatt_lightning.run import console
+    from yatt_lightning.distributed import console
 
     if console.verbose():
         return

@@ -24,11 +24,11 @@ import torch
 from typing_extensions import override
 
 from yatt_lightning.chat import PromptFormat, render
+from yatt_lightning.checkpoint.model_source import ModelSpec, policy_tokenizer
 from yatt_lightning.distributed.seeding import resolve_seed
 from yatt_lightning.models.lora import LoRASettings
-from yatt_lightning.models.spec import ModelSpec, policy_tokenizer
+from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch, TrainingSamples
-from yatt_lightning.training.optim import OptimizerSettings
 from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
 
 

@@ -18,13 +18,14 @@ from typing import Literal
 import torch
 from typing_extensions import override
 
-from yatt_lightning.models.logprobs import sample_logprobs, token_logprobs
+from yatt_lightning.checkpoint.model_source import ModelSpec
+from yatt_lightning.models.logprobs import token_logprobs
 from yatt_lightning.models.lora import LoRASettings
-from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.stages.base import PolicyStage, Sequence
 from yatt_lightning.stages.preference import PairLogprobs, PreferenceLoss, SigmoidLoss
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch
-from yatt_lightning.training.optim import OptimizerSettings
+from yatt_lightning.training.per_sample import sample_logprobs
 
 FIGURES = (
     "loss",

@@ -116,7 +116,7 @@ class AsyncSteps:
     def on_train_end(self) -> None:
         """After the callbacks' (a checkpoint's last save): what either side sent has been received."""
         strategy = self.trainer.strategy
-        if strategy.role != "colocated":
+        if strategy.role.split:
             strategy.placement.finish(strategy.placement.steps - 1)
 
     def figures_only(self, rollouts, reward_metrics: dict, times: dict, rank: dict, figures: dict) -> dict:

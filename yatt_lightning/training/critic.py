@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from yatt_lightning.checkpoint.model_source import ModelSpec
 from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import check_finite
-from yatt_lightning.models.logprobs import per_sample_forward
-from yatt_lightning.models.spec import ModelSpec
+from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.training.batch import MicroBatch
-from yatt_lightning.training.optim import OptimizerSettings
+from yatt_lightning.training.per_sample import per_sample_forward
 from yatt_lightning.training.step_metrics import add_metric_sums
 
 # The critic's per-token figures of a step, averaged over its tokens for logging.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from yatt_lightning.rollout.base import AGENT_FIGURES
+from yatt_lightning.engines.base import AGENT_FIGURES
 from yatt_lightning.rollout.batch import RolloutBatch
 
 

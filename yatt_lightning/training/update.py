@@ -14,7 +14,6 @@ from yatt_lightning.distributed import wire
 from yatt_lightning.distributed.failures import check_finite
 from yatt_lightning.models.logprobs import (
     max_abs_difference,
-    sample_logprobs,
     share_with_pipeline,
     token_entropy,
     token_logprobs,
@@ -23,6 +22,7 @@ from yatt_lightning.rollout.batch import RolloutBatch, mini_batch_slices
 from yatt_lightning.training.batch import MicroBatch, TrainingBatch
 from yatt_lightning.training.cost_model import Work, microbatch_work
 from yatt_lightning.training.critic import CRITIC_METRICS, sample_values
+from yatt_lightning.training.per_sample import sample_logprobs
 from yatt_lightning.training.step_metrics import add_metric_sums, reduce_token_metrics
 
 

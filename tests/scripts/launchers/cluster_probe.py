@@ -41,8 +41,8 @@ class ClusterProbe(Callback):
             "role": strategy.role,
             "data_parallel_rank": strategy.data_parallel_rank,
             # A disaggregated rollout rank has no Megatron model, so no Megatron ranks
-            "tensor_parallel_rank": ps.get_tensor_model_parallel_rank() if strategy.role != "rollout" else None,
-            "tensor_parallel_size": ps.get_tensor_model_parallel_world_size() if strategy.role != "rollout" else None,
+            "tensor_parallel_rank": ps.get_tensor_model_parallel_rank() if strategy.role.trains else None,
+            "tensor_parallel_size": ps.get_tensor_model_parallel_world_size() if strategy.role.trains else None,
             "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
             "MASTER_PORT": os.environ.get("MASTER_PORT"),
         }

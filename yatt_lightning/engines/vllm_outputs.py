@@ -1,9 +1,9 @@
 """What a vLLM request's output becomes: the check that the engine sampled after exactly the ids it was
-given, and the :class:`~yatt_lightning.rollout.base.Completion` s of its samples."""
+given, and the :class:`~yatt_lightning.engines.base.Completion` s of its samples."""
 
 from __future__ import annotations
 
-from yatt_lightning.rollout.base import Completion
+from yatt_lightning.engines.base import Completion
 
 
 def check_prompt(out, ids: list[int]) -> None:

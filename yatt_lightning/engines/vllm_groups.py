@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from yatt_lightning.rollout.vllm_engine import set_vllm_env
+from yatt_lightning.engines.vllm_engine import set_vllm_env
 
 
 def join_engine_groups() -> None:
     """On a rank that runs no engine while others start theirs (disaggregated trainers): take part in the
     process groups vLLM builds over the whole world when an in-process engine starts (it waits for every
     rank), as a tensor-parallel-1 engine's worker would, without loading a model."""
-    from yatt_lightning.rollout import vllm_shutdown
+    from yatt_lightning.engines import vllm_shutdown
 
     set_vllm_env()
     vllm_shutdown.keep_trainer_process_group()

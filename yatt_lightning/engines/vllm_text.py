@@ -1,6 +1,6 @@
 """Text completions of the engine, one per prompt, without the policy's adapter: what a judge or a generative
 reward model says (greedy by default, optionally constrained to a set of strings). A part of
-:class:`~yatt_lightning.rollout.vllm_engine.VLLMEngine` (it uses the engine's ``_llm``, ``_step`` and request
+:class:`~yatt_lightning.engines.vllm_engine.VLLMEngine` (it uses the engine's ``_llm``, ``_step`` and request
 counter)."""
 
 from __future__ import annotations
