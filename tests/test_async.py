@@ -189,12 +189,14 @@ def _steps(out) -> list[dict]:
 @pytest.mark.distributed
 def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
     """Disaggregated with max_staleness 0 (1 rollout + 1 trainer) against the colocated step on one process,
-    same seeds: the same samples, rewards and final weights."""
+    same seeds: the same samples, rewards and final weights. Both run a user's ``reward`` override that returns
+    a plain tensor (the hook allows it; the asynchronous step once read it as scores and failed)."""
     from safetensors.torch import load_file
 
     from yatt_lightning.checkpoint.model_source import resolve_model_path
 
-    steps = ["--trainer.max_steps=8", "--data.init_args.batch_size=8"]  # 4 RL steps of 2 optimizer steps
+    steps = ["--trainer.max_steps=8", "--data.init_args.batch_size=8",  # 4 RL steps of 2 optimizer steps
+             "--model.class_path=tests.scripts.async_fit.PlainTensorReward"]  # fmt: skip
     _fit(tmp_path / "async", *steps, "--trainer.strategy.placement.init_args.max_staleness=0",
          "--trainer.strategy.placement.init_args.fixed_lag=true")  # fmt: skip
     colocated = ["--trainer.devices=1", "--trainer.strategy.placement=yatt_lightning.placement.FullColocation"]

@@ -88,7 +88,7 @@ def test_no_folders_import_each_other_in_a_ring():
     changed = True
     while changed:  # the transitive closure: a unit that reaches itself is in a ring
         changed = False
-        for u, seen in reach.items():
+        for seen in reach.values():
             more = set().union(*(reach.get(v, set()) for v in seen)) - seen
             if more:
                 seen |= more

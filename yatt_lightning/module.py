@@ -14,7 +14,6 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import lazy_instance
 from typing_extensions import override
 
 from yatt_lightning.agents import Agent, EnvironmentReward
@@ -29,6 +28,7 @@ from yatt_lightning.checkpoint.model_source import ModelSpec, policy_tokenizer
 from yatt_lightning.distributed.failures import NonFiniteLossError, RankFailure, check_finite, fail_together  # noqa: F401
 from yatt_lightning.distributed.seeding import resolve_seed
 from yatt_lightning.engines.base import SamplingConfig
+from yatt_lightning.lazy_defaults import lazy_default
 from yatt_lightning.models.lora import LoRASettings
 from yatt_lightning.models.optim import OptimizerSettings
 from yatt_lightning.multimodal.image_inputs import ImageInputs
@@ -107,13 +107,13 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         rewards: list[RewardFunction] | None = None,
         reward_timeout_s: float | None = 300.0,
         sampling: SamplingConfig = SamplingConfig(),
-        algorithm: PolicyLoss = lazy_instance(PPOClipLoss),
-        advantage_estimator: AdvantageEstimator = lazy_instance(GRPOAdvantage),
+        algorithm: PolicyLoss = lazy_default(PPOClipLoss),
+        advantage_estimator: AdvantageEstimator = lazy_default(GRPOAdvantage),
         critic: Critic | None = None,
-        loss_aggregation: LossAggregation = lazy_instance(TokenMean),
+        loss_aggregation: LossAggregation = lazy_default(TokenMean),
         off_policy_correction: OffPolicyCorrection | None = None,
         kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = lazy_instance(K3),
+        kl_estimator: KLEstimator = lazy_default(K3),
         kl_in_reward: bool = False,
         reward_shaping: RewardShaping | None = None,
         optimizer: OptimizerSettings = OptimizerSettings(),
@@ -125,7 +125,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         system_prompt: str | None = None,
         log_samples: int = 4,
         dynamic_sampling: DynamicSampling | None = None,
-        long_tail: LongTailPolicy = lazy_instance(WaitForAll),
+        long_tail: LongTailPolicy = lazy_default(WaitForAll),
         seed: int | None = None,
         agent: Agent | None = None,
         lora: LoRASettings | None = None,
@@ -301,8 +301,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             t1 = time.perf_counter()
             if len(rollouts):  # partial rollout: no group may have finished on some rank this step
                 strategy.enter_stage("reward", self.trainer.global_step)
-                scores = self.reward(rollouts)
-                scores = scores if isinstance(scores, Scores) else Scores(torch.as_tensor(scores), {})
+                scores = Scores.of(self.reward(rollouts))
                 rollouts = rollouts.scored(scores.total, scores.token_rewards)
         except Exception as err:  # every rank must learn of it, or the others hang in the next collective
             if isinstance(err, RankFailure) and err.agreed:

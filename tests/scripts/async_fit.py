@@ -33,6 +33,8 @@ from lightning.pytorch import Callback  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from yatt_lightning.module import RLHFModule  # noqa: E402
+
 FAIL_AT = {"step": -1}
 
 
@@ -43,6 +45,14 @@ def failing_reward(prompt: str, completion: str, **row) -> float:
     if row.get("fail_injected"):
         raise RuntimeError("the reward service is down (injected)")
     return alphabet_reward(prompt, completion, **row)
+
+
+class PlainTensorReward(RLHFModule):
+    """A user's ``reward`` override that returns a plain ``[N]`` tensor (the hook allows it), for any placement:
+    ``--model.class_path tests.scripts.async_fit.PlainTensorReward``."""
+
+    def reward(self, rollouts):
+        return super().reward(rollouts).total.clone()
 
 
 class Record(Callback):

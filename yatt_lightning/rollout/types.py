@@ -112,3 +112,9 @@ class Scores:
     metrics: dict[str, float]
     token_rewards: list[torch.Tensor] | None = None
     rank_figures: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def of(value: Scores | torch.Tensor | list[float]) -> Scores:
+        """What a ``reward`` hook returned, as scores: an override may return a plain ``[N]`` tensor (or list),
+        in every placement (the colocated step and a disaggregated rollout rank both read it here)."""
+        return value if isinstance(value, Scores) else Scores(torch.as_tensor(value, dtype=torch.float32), {})

@@ -34,13 +34,13 @@ set_vllm_env()
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from jsonargparse import lazy_instance  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
 from yatt_lightning.distributed import console  # noqa: E402
+from yatt_lightning.lazy_defaults import lazy_default  # noqa: E402
 from yatt_lightning.module import RLHFModule  # noqa: E402, F401
 from yatt_lightning.run import errors  # noqa: E402
 from yatt_lightning.run.logging_setup import configure_logging  # noqa: E402
@@ -60,12 +60,12 @@ class YattCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             trainer_defaults={
-                "strategy": lazy_instance(MegatronStrategy),
+                "strategy": lazy_default(MegatronStrategy),
                 "accelerator": "auto",
                 "devices": 1,
                 "use_distributed_sampler": False,  # PromptDataModule shards by data-parallel rank itself
                 "default_root_dir": "runs",  # logs, checkpoints and the saved config go under it
-                "logger": lazy_instance(TensorBoardLogger, save_dir="", name="yatt"),
+                "logger": lazy_default(TensorBoardLogger, save_dir="", name="yatt"),
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,  # RunConsole names the parameter count in one line

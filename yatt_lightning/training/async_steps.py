@@ -16,6 +16,7 @@ import time
 import torch
 
 from yatt_lightning.placement.batch_channel import Produced
+from yatt_lightning.rollout.types import Scores
 
 
 class StepCounter(torch.optim.Optimizer):
@@ -73,7 +74,7 @@ class AsyncSteps:
             rollouts = self.rollout(batch)
             t1 = time.perf_counter()
             strategy.enter_stage("reward", step)
-            scores = self.reward(rollouts)
+            scores = Scores.of(self.reward(rollouts))
             rollouts = rollouts.scored(scores.total, scores.token_rewards)
             if rollouts.versions is None:  # an engine that applies no weights mid-generation
                 rollouts = dataclasses.replace(rollouts, versions=[(version, version)] * len(rollouts))
