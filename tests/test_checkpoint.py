@@ -221,13 +221,11 @@ def test_a_save_after_a_round_without_an_update_onloads_the_policy_and_resumes_b
 @pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_path):
     """SIGKILL while the writers run. `latest` names an intact checkpoint, the newest one that was reported
-    saved, the resumed run starts there, and the end result equals an uninterrupted run. (A kill at a uniform
-    moment, mostly in a rollout, and one in the finalisation window between the manifest and the rename:
-    bench/kill_resume.py's smoke size; one between two optimizer steps: tests/test_lora.py's killed run.)"""
+    saved, and the resumed run starts there. (That a killed and resumed chain ends on an uninterrupted run's
+    weights, bit for bit, with a kill at a uniform moment and one in the finalisation window between the
+    manifest and the rename: bench/kill_resume.py's smoke size; one between two optimizer steps:
+    tests/test_lora.py's killed run.)"""
     common = ["--trainer.max_steps", "10", "--model.mini_batches", "2"]  # 2 optimizer steps per RL step
-    whole = tmp_path / "whole"
-    _faults(whole, *common, "--trainer.callbacks", _saver(whole / "ckpts", 2))
-
     out = tmp_path / "chain"
     saver = _saver(out / "ckpts", 2)
     log = _faults(out, "--kill", "save:6", *common, "--trainer.callbacks", saver, expect_kill=True)
@@ -238,8 +236,6 @@ def test_sigkill_at_any_moment_resumes_from_the_last_reported_checkpoint(tmp_pat
     assert ckpt.verify(latest) == []
     log = _faults(out, *common, "--trainer.callbacks", saver, "--ckpt_path", "last")
     assert _resumed_step(log) == max(reported)
-    a, b = _weights(whole), _weights(out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
     # A truncated shard: reported with the file when named explicitly; `last` falls back and says so.
     newest = ckpt.tracked(out / "ckpts")
