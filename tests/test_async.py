@@ -49,6 +49,21 @@ def test_the_layout_and_its_keys_are_checked_naming_the_key():
         Disaggregated().check(Layout(2, 2, 1))
 
 
+def test_what_the_disaggregated_placement_cannot_run_is_refused_before_start_naming_the_key(tmp_path):
+    """In-process `yatt fit`, nothing starts: dynamic sampling with `on_stale: wait` (a round that fills no
+    update publishes no version the producer could wait for), a critic."""
+    from tests.helpers import yatt_in_process
+
+    dapo = ["fit", "--config", str(REPO / "configs" / "dapo_async_tiny.yaml"), "--trainer.callbacks", "[]"]
+    code, err = yatt_in_process([*dapo, "--trainer.strategy.placement.init_args.on_stale", "wait"], cwd=tmp_path)
+    assert code == 2 and "`model.dynamic_sampling` with `trainer.strategy.placement: Disaggregated` needs" in err, err
+    assert "on_stale: drop" in err
+    grpo = ["fit", "--config", str(REPO / "configs" / "grpo_async_tiny.yaml"), "--trainer.callbacks", "[]"]
+    code, err = yatt_in_process([*grpo, "--model.advantage_estimator", "yatt_lightning.algorithms.GAE",
+                                 "--model.critic", "{}"], cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "`model.critic` with `trainer.strategy.placement: Disaggregated`" in err, err
+
+
 def test_weights_travel_in_buckets_and_come_back_bitwise():
     g = torch.Generator().manual_seed(0)
     named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),

@@ -151,3 +151,12 @@ def test_no_rank_is_dispatched_on_a_role_string():
                 if strings and any(named_role(s) for s in sides):
                     found.append(f"{f.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+def test_the_engine_class_path_configs_already_name_still_resolves():
+    """``engines/`` left ``rollout/`` (issue 42); a user's config naming ``yatt_lightning.rollout.vllm_engine.VLLMEngine``
+    keeps working (the same class)."""
+    from yatt_lightning.engines.vllm_engine import VLLMEngine
+    from yatt_lightning.rollout.vllm_engine import VLLMEngine as Old
+
+    assert Old is VLLMEngine

@@ -218,7 +218,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         if self.agent is not None:
             self.agent.configure(self.tokenizer, self.apply_chat_template, path, self.max_prompt_tokens)
         if self.trainer.strategy.role.only_rolls_out:  # no Megatron model here
-            self.check_disaggregated()
+            self.check_disaggregated(self.trainer.strategy.placement)
             from transformers import AutoConfig
 
             from yatt_lightning.models import vlm
@@ -253,7 +253,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         if self.trainer.strategy.role.only_rolls_out:
             return StepCounter()
         if self.trainer.strategy.role.only_trains:
-            self.check_disaggregated()
+            self.check_disaggregated(self.trainer.strategy.placement)
         return MegatronOptimizerAdapter(self.policy, step_index=lambda: self.trainer.global_step)
 
     @override

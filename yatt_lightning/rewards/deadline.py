@@ -48,6 +48,10 @@ class _Worker(threading.Thread):
             except BaseException as err:  # noqa: BLE001 (handed to the caller, who decides)
                 done.append((False, err))
             done.event.set()
+            # Hold nothing of the call while waiting for the next: a frame that kept a teacher's tensors, woken
+            # at the interpreter's exit, freed them there, and torch, re-taking the GIL of a finalizing
+            # interpreter, ended the thread through C++ frames: "terminate called without an active exception".
+            del call, fn, args, kwargs, done
 
 
 class _Done(list):
@@ -83,6 +87,7 @@ class TimedCaller:
                 raise WorkerLost(f"{self.name}: no thread to run the call on ({err})") from err
             # the worker must not hold its caller (else the caller is never collected): only its queue
             self._ends = weakref.finalize(self, self._worker.calls.put, None)
+            self._ends.atexit = False  # at the interpreter's exit the daemon worker is left waiting, not woken
         done = _Done()
         worker = self._worker
         worker.calls.put((fn, args, kwargs, done))

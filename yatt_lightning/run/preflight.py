@@ -30,6 +30,8 @@ def check_run(model, datamodule, trainer) -> None:
     tokenizer = load_tokenizer(path)
     if getattr(model, "lora", None) is not None:
         check_lora(trainer, model.lora, arch, path)
+    if hasattr(model, "check_placement"):  # what the placement cannot run of the module (the critic, ...)
+        model.check_placement(strategy.placement)
     critic = getattr(model, "critic", None)
     if critic is not None:
         critic_path = critic.path.resolve() if critic.path is not None else path

@@ -33,14 +33,27 @@ class StepCounter(torch.optim.Optimizer):
 class AsyncSteps:
     """The producer's and the consumer's step (mixed into ``RLHFModule``)."""
 
-    def check_disaggregated(self) -> None:
-        """What the disaggregated placement does not run yet, refused before any engine starts."""
-        for key, value in (("dynamic_sampling", self.dynamic_sampling), ("critic", self.critic)):
-            if value is not None:
-                raise ValueError(
-                    f"`model.{key}` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
-                    "remove it or use FullColocation."
-                )
+    def check_placement(self, placement) -> None:
+        """What ``placement`` cannot run of this module, refused naming the key: by ``yatt fit``'s preflight,
+        before any process or engine starts, and again when the model is built (a run started without the CLI)."""
+        if placement.splits_the_step:
+            self.check_disaggregated(placement)
+
+    def check_disaggregated(self, placement) -> None:
+        """What the disaggregated placement does not run."""
+        if self.critic is not None:
+            raise ValueError(
+                "`model.critic` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
+                "remove it or use FullColocation."
+            )
+        if self.dynamic_sampling is not None and placement.on_stale == "wait":
+            raise ValueError(
+                "`model.dynamic_sampling` with `trainer.strategy.placement: Disaggregated` needs "
+                "`trainer.strategy.placement.init_args.on_stale: drop`: a round that fills no update publishes no "
+                "new version, and with `wait` the rollout rank would wait for version `step - max_staleness`, "
+                "which then never comes. With `drop` it generates with the newest version and the trainer drops "
+                "a batch older than `max_staleness` versions."
+            )
 
     def optimizer_steps_per_batch(self, samples: int) -> int:
         """Optimizer steps one RL step of ``samples`` samples takes (what Lightning counts as steps)."""
@@ -48,15 +61,18 @@ class AsyncSteps:
 
         return self.ppo_epochs * len(mini_batch_slices(samples, self.mini_batches))
 
-    def count_steps(self, samples: int) -> None:
-        """Let Lightning count the optimizer steps of an RL step that ran none here (a rollout rank's, a
-        dropped batch's): every rank then stops at ``max_steps`` and logs the same steps."""
+    def count_steps(self, samples: int, ran: int = 0) -> None:
+        """Let Lightning count the optimizer steps of an RL step that ran fewer here than ``samples`` take
+        (``ran``: a rollout rank's none, a dropped batch's none, dynamic sampling's round that filled no update
+        none, or one that trained fewer samples): every rank then stops at ``max_steps`` and logs the same
+        steps (with dynamic sampling, a disaggregated run's ``max_steps`` counts rounds, not updates: the
+        rollout rank cannot know which rounds update)."""
         optimizer = self.optimizers()
         inner = optimizer.optimizer
         if hasattr(inner, "count_only"):
             inner.count_only = True  # Megatron's optimizer is not run
         try:
-            for _ in range(self.optimizer_steps_per_batch(samples)):
+            for _ in range(self.optimizer_steps_per_batch(samples) - ran):
                 optimizer.step()
         finally:
             if hasattr(inner, "count_only"):
@@ -106,8 +122,11 @@ class AsyncSteps:
             else:
                 figures["async/dropped"] = float(placement.dropped)
                 figures["async/publish_wait"] = placement.settle()  # storages the last version sent as they are
+                before = self.trainer.global_step
                 out = self.train_on(rollouts, produced.reward_metrics, times, rank, figures)
-                out["stats"].scalars["time/publish"] = placement.publish(step, updated=True, policy=self.policy)
+                ran = self.trainer.global_step - before  # 0: dynamic sampling's round that filled no update
+                self.count_steps(len(rollouts), ran)
+                out["stats"].scalars["time/publish"] = placement.publish(step, updated=ran > 0, policy=self.policy)
             placement.steps += 1
             return out
         except Exception as err:  # the rollout ranks wait for weights: tell them, then fail here
