@@ -45,13 +45,3 @@ def tiny_model_path() -> Path:
 def python() -> str:
     return sys.executable
 
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Files with slow (multi-process) tests run first, each file's tests kept together and in order: the two
-    xdist workers then end on short tests, not one on a 3-minute run while the other waits (the wall time is
-    the busier worker's). The order is the same on every worker, as xdist requires."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    first_seen = {}
-    for index, item in enumerate(items):
-        first_seen.setdefault(item.path, index)
-    items.sort(key=lambda item: (item.path not in slow_files, first_seen[item.path]))

@@ -398,3 +398,23 @@ def test_the_async_tiny_config_learns_on_two_trainers_and_a_rollout_rank_and_log
     for rank in (0, 1):  # a long single-turn run accumulates nothing on either trainer (tests/test_soak.py: agents)
         grown = growth(scalars, rank)
         assert grown["threads"] <= 5 and grown["fds"] <= 8 and grown["rss_gb_per_100"] < 0.05, (rank, grown)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dapo_runs_disaggregated_rounds_without_an_update_publish_nothing_and_both_sides_stop(tmp_path):
+    """``configs/dapo_async_tiny.yaml`` (dynamic sampling, ``on_stale: drop``) for 20 rounds, updating on 16
+    informative groups (a round of 16 prompts has 13-16 early on): the trainer keeps each round's informative
+    groups and updates when it holds 16; a round that filled no update publishes no version, and both sides
+    still count every round, so the run ends at ``max_steps`` (a side that miscounted would wait out its
+    timeout). The config as shipped (12 groups, 150 rounds) learns: -0.05 -> 0.415 mean reward, first 10
+    rounds against the last 10 (bench/RESULTS.md)."""
+    yatt(["fit", "--config", str(REPO / "configs" / "dapo_async_tiny.yaml"), "--trainer.max_steps", "40",
+          "--model.init_args.dynamic_sampling.groups_per_update", "16", "--trainer.callbacks", "[]",
+          f"--trainer.logger.init_args.save_dir={tmp_path / 'tb'}"], cwd=tmp_path, timeout=300)  # fmt: skip
+    scalars = read_scalars(tmp_path / "tb")
+    rounds = [v for _, v in scalars["sampling/rounds"]]
+    versions = [v for _, v in scalars["async/version"]]  # what each round generated with: the updates so far
+    assert len(rounds) == 20 and len(scalars["reward/mean"]) == 20
+    assert max(rounds) > 1, "no round carried its groups to the next"
+    assert 1 <= versions[-1] < 18, versions  # rounds without an update published nothing
