@@ -12,8 +12,6 @@ trainer holds the same).
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
 from tests.helpers import REPO, growth, read_scalars, yatt
@@ -37,7 +35,10 @@ def test_an_agent_run_with_tools_learns_and_nothing_grows(tmp_path):
     assert grown["threads"] <= 20 and grown["threads_max"] < 200, grown  # a thread per tool call: +3000 by step 200
     assert grown["fds"] <= 8, grown
     assert grown["rss_gb_per_100"] < 0.06, grown  # the floor rose 0.033 (0.6 MB a step kept would fail)
-    rollout = _series(scalars, "time/rollout")
-    early, late = statistics.median(rollout[10:30]), statistics.median(rollout[-20:])
-    print(f"agent soak: rollout median {early:.3f} s (steps 10-30) -> {late:.3f} s (last 20)")
-    assert late <= 1.2 * early, f"rollout {early:.3f} s a step at steps 10-30, {late:.3f} s over the last 20"
+    # Rollout seconds per response token, the fastest step of each window: a beside test only adds time (the
+    # median of wall seconds went 0.363 -> 0.450 s in a clean clone's suite and 0.336 -> 0.285 s quiet), and the
+    # episodes' lengths change as the policy learns; a cost that grows with the steps lifts the fastest too.
+    rollout = [t / n for t, n in zip(_series(scalars, "time/rollout"), _series(scalars, "response_length/mean"), strict=True)]
+    early, late = min(rollout[10:30]), min(rollout[-20:])
+    print(f"agent soak: rollout {early * 1e3:.1f} ms a token at its fastest in steps 10-30 -> {late * 1e3:.1f} ms (last 20)")
+    assert late <= 1.2 * early, f"rollout {early * 1e3:.1f} ms a token at steps 10-30, {late * 1e3:.1f} ms over the last 20"
