@@ -21,7 +21,6 @@ class Placement:
     """Base class; the strategy owns one and hands it its controller, the rollout service drives it."""
 
     controller = None  # who talks to engines (handed over by the strategy)
-    splits_the_step = False  # True: the step's parts run on different ranks, over channels (Disaggregated)
 
     def check(self, layout: Layout) -> None:
         """Raise a ValueError naming the key if this placement cannot serve the layout (in preflight)."""

@@ -180,7 +180,6 @@ class Disaggregated(SavePoints, Placement):
         self.live.version = version
 
     role = property(lambda self: Role.ROLLOUT if rank() in self.rollout else Role.TRAINER)
-    splits_the_step = True
 
     def roles(self, world: int) -> list[list[int]]:
         return [self.trainers, self.rollout]

@@ -36,7 +36,7 @@ class AsyncSteps:
     def check_placement(self, placement) -> None:
         """What ``placement`` cannot run of this module, refused naming the key: by ``yatt fit``'s preflight,
         before any process or engine starts, and again when the model is built (a run started without the CLI)."""
-        if placement.splits_the_step:
+        if placement.role.split:  # the same on every rank of a placement (a trainer before any group exists)
             self.check_disaggregated(placement)
 
     def check_disaggregated(self, placement) -> None:
