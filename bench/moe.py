@@ -8,9 +8,11 @@ parameters; the smoke size: ``builtin:tiny-qwen3-moe``):
 * ``ep_over_dp_step`` = the median training phase (``time/train``) after warm-up at EP=2 (4 experts a rank,
   tokens to their experts by all-to-all) / the same at DP=2 with every expert on each rank; the same prompts
   and seeds, so the same work.
-* ``push_over_vllm_load`` = at the end of the EP=2 run (and, printed above it, the DP=2 run's), one colocated push (the export, experts all-gathered over
-  the expert-parallel group, + the engine's reload and its repacking of the experts) / the engine's reload of the
-  same tensors exported beforehand; best of ``--repeats`` each, alternating.
+* ``push_over_vllm_load`` = at the end of the EP=2 run (and, printed above it, the DP=2 run's), one colocated
+  push (the export, with every rank's experts exchanged over the expert-parallel group: through ``/dev/shm`` on
+  one host, models/expert_gather.py; + the engine's reload and its repacking of the experts) / the engine's
+  reload of the same tensors exported beforehand; best of ``--repeats`` each, alternating, both ranks starting
+  each timed part at a barrier.
 * ``moe_logprob_diff`` = the largest ``rollout/logprob_diff_max`` over the EP=2 run's steps (the engine's logprobs
   of its samples against the policy's first training forward; both route each token themselves).
 * ``moe_logprob_diff_replay``: ``nan``. Replaying the engine's routing needs its routed experts, which vLLM 0.32
@@ -66,12 +68,16 @@ def _child(out: Path, mode: str, repeats: int, overrides: list[str]) -> None:
 
 def _push_over_load(engine, policy, repeats: int) -> dict:
     """The colocated push (export + reload) against the reload of the same tensors, exported beforehand."""
+    import torch
+
     pushes, loads = [], []
     named = [(n, t.clone()) for n, t in policy.export_hf()]
-    for _ in range(repeats):
+    for _ in range(repeats):  # both ranks start each timed part together: a late peer is not the push's cost
+        torch.distributed.barrier()
         t0 = time.perf_counter()
         engine.push_weights(policy.export_hf())
         pushes.append(time.perf_counter() - t0)
+        torch.distributed.barrier()
         t0 = time.perf_counter()
         engine.push_weights(named)
         loads.append(time.perf_counter() - t0)

@@ -19,7 +19,7 @@ import torch
 
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
-from yatt_lightning.models.expert_gather import gather_experts
+from yatt_lightning.models.expert_gather import ExpertExchange
 from yatt_lightning.models.families import arch_of
 from yatt_lightning.models.gpt import build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
@@ -73,6 +73,7 @@ class MegatronPolicy(torch.nn.Module):
         self.arch.check_parallel(tp, pp, self.ep)
         self.local_experts = self.arch.moe.num_experts // self.ep if self.arch.moe is not None else 0
         self.expert_offset = ps.get_expert_model_parallel_rank() * self.local_experts if self.ep > 1 else 0  # global number of its first
+        self.experts = ExpertExchange(ps.get_expert_model_parallel_group()) if self.ep > 1 else None  # how every rank gets them all
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), tp
         self.is_first_stage = ps.is_pipeline_first_stage()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -245,8 +246,7 @@ class MegatronPolicy(torch.nn.Module):
         self.offloaded = False
 
     def _offloadable(self, params: bool) -> list[torch.Tensor]:
-        """The optimizer's state tensors (and the parameter buffers and the parameters, views of them), each
-        tensor once."""
+        """The optimizer's state tensors (and the parameter buffers and parameters, views of them), once each."""
         seen, out = set(), []
         buffers = [b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers]
         tensors = [] if not params else [b for b in buffers if b is not None] + list(self.model.parameters())
@@ -269,8 +269,8 @@ class MegatronPolicy(torch.nn.Module):
     @torch.no_grad()
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """All weights under Hugging Face names as full tensors: TP shards gathered, every PP stage's
-        layers broadcast to the whole pipeline group, stage by stage.
-
+        layers broadcast to the whole pipeline group, stage by stage; some are views (of the parameters, of
+        another expert-parallel rank's experts: models/expert_gather.py), so copy what you keep.
         Collective over the model-parallel group: every rank of it must iterate to the end.
         """
         yield from self._across_stages(self._export_stage)
@@ -334,7 +334,7 @@ class MegatronPolicy(torch.nn.Module):
             else:
                 full = local
             yield from self.hf_names(name, full)
-        for name, full in gather_experts(experts, self.local_experts, ps.get_expert_model_parallel_group()):
+        for name, full in self.experts.gather(experts, self.local_experts) if experts else ():
             yield from self.hf_names(name, full)
 
     def _adapter_stage(self) -> Iterator[tuple[str, torch.Tensor]]:
