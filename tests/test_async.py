@@ -51,17 +51,13 @@ def test_the_layout_and_its_keys_are_checked_naming_the_key():
 
 def test_what_the_disaggregated_placement_cannot_run_is_refused_before_start_naming_the_key(tmp_path):
     """In-process `yatt fit`, nothing starts: dynamic sampling with `on_stale: wait` (a round that fills no
-    update publishes no version the producer could wait for), a critic."""
+    update publishes no version the producer could wait for)."""
     from tests.helpers import yatt_in_process
 
     dapo = ["fit", "--config", str(REPO / "configs" / "dapo_async_tiny.yaml"), "--trainer.callbacks", "[]"]
     code, err = yatt_in_process([*dapo, "--trainer.strategy.placement.init_args.on_stale", "wait"], cwd=tmp_path)
     assert code == 2 and "`model.dynamic_sampling` with `trainer.strategy.placement: Disaggregated` needs" in err, err
     assert "on_stale: drop" in err
-    grpo = ["fit", "--config", str(REPO / "configs" / "grpo_async_tiny.yaml"), "--trainer.callbacks", "[]"]
-    code, err = yatt_in_process([*grpo, "--model.advantage_estimator", "yatt_lightning.algorithms.GAE",
-                                 "--model.critic", "{}"], cwd=tmp_path)  # fmt: skip
-    assert code == 2 and "`model.critic` with `trainer.strategy.placement: Disaggregated`" in err, err
 
 
 def test_weights_travel_in_buckets_and_come_back_bitwise():
@@ -204,14 +200,16 @@ def _steps(out) -> list[dict]:
 @pytest.mark.distributed
 def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
     """Disaggregated with max_staleness 0 (1 rollout + 1 trainer) against the colocated step on one process,
-    same seeds: the same samples, rewards and final weights. Both run a user's ``reward`` override that returns
-    a plain tensor (the hook allows it; the asynchronous step once read it as scores and failed)."""
+    same seeds, PPO with its critic (GAE): the same samples, rewards, critic losses and final weights. Both run a
+    user's ``reward`` override that returns a plain tensor (the hook allows it; the asynchronous step once read
+    it as scores and failed)."""
     from safetensors.torch import load_file
 
     from yatt_lightning.checkpoint.model_source import resolve_model_path
 
     steps = ["--trainer.max_steps=8", "--data.init_args.batch_size=8",  # 4 RL steps of 2 optimizer steps
-             "--model.class_path=tests.scripts.async_fit.PlainTensorReward"]  # fmt: skip
+             "--model.class_path=tests.scripts.async_fit.PlainTensorReward",
+             "--model.advantage_estimator=yatt_lightning.algorithms.GAE", "--model.critic={}"]  # fmt: skip
     _fit(tmp_path / "async", *steps, "--trainer.strategy.placement.init_args.max_staleness=0",
          "--trainer.strategy.placement.init_args.fixed_lag=true")  # fmt: skip
     colocated = ["--trainer.devices=1", "--trainer.strategy.placement=yatt_lightning.placement.FullColocation"]
@@ -221,6 +219,7 @@ def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
     for k, (x, y) in enumerate(zip(a, c, strict=True)):
         assert x["completions"] == y["completions"], f"step {k}: different samples"
         assert x["rewards"] == y["rewards"], f"step {k}: different rewards"
+        assert x["critic_loss"] == y["critic_loss"] is not None, f"step {k}: the critic trained differently"
         assert x["async"]["async/staleness_max"] == 0.0
     wa, wc = load_file(tmp_path / "async" / "weights.safetensors"), load_file(tmp_path / "colocated" / "weights.safetensors")
     assert wa.keys() == wc.keys()

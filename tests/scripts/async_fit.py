@@ -104,6 +104,7 @@ class Record(Callback):
             "versions": [list(v) for v in rollouts.versions or []],
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
             "trained": "actor/pg_loss" in scalars,
+            "critic_loss": scalars.get("critic/value_loss"),  # PPO's critic, trained beside the policy
         })  # fmt: skip
         if trainer.global_rank == 0:
             with open(self.out / "record.jsonl", "a") as f:

@@ -41,11 +41,6 @@ class AsyncSteps:
 
     def check_disaggregated(self, placement) -> None:
         """What the disaggregated placement does not run."""
-        if self.critic is not None:
-            raise ValueError(
-                "`model.critic` with `trainer.strategy.placement: Disaggregated` is not supported yet; "
-                "remove it or use FullColocation."
-            )
         if self.dynamic_sampling is not None and placement.on_stale == "wait":
             raise ValueError(
                 "`model.dynamic_sampling` with `trainer.strategy.placement: Disaggregated` needs "

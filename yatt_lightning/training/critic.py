@@ -67,15 +67,16 @@ class Critic:
         clipped = (clipped_values - returns) ** 2
         return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
-    def step(self, model, microbatches: list[MicroBatch], step: int, sums: dict[str, float]) -> float:
-        """One optimizer step of the critic ``model`` on the policy step's micro-batches (collective): adds
-        the token sums of :data:`CRITIC_METRICS` (and ``tokens``) to ``sums``; returns the gradient norm."""
+    def step(self, model, microbatches: list[MicroBatch], step: int, sums: dict[str, float], group=None) -> float:
+        """One optimizer step of the critic ``model`` on the policy step's micro-batches (collective over the
+        training ranks, ``group``: a disaggregated placement's rollout ranks take no part): adds the token sums
+        of :data:`CRITIC_METRICS` (and ``tokens``) to ``sums``; returns the gradient norm."""
         model.zero_grad_buffers()
         with wire.category("gradients"):
             outputs = model.forward_backward(microbatches, self.loss_fn, forward_only=False)
         for out in outputs:
             add_metric_sums(sums, out["metrics"])
-        check_finite(outputs, step, what="the critic's value loss")
+        check_finite(outputs, step, what="the critic's value loss", group=group)
         with wire.category("gradients"):
             _, norm = model.optimizer_step(step)
         return norm

@@ -60,6 +60,7 @@ class PolicyUpdate:
         Returns the update's figures: the token means of :data:`_TOKEN_METRICS`, ``grad_norm`` and
         ``logprob_diff_max`` (logged as ``actor/...``), and the load balancer's, logged under their names."""
         self.trainer.strategy.rollout.prepare_training()
+        controller = self.trainer.strategy.controller  # the training ranks (a disaggregated run's trainers)
         batch, figures = TrainingBatch.of(rollouts, advantages), {}
         if self.balancer is not None:
             with wire.category("rollout"):
@@ -95,18 +96,17 @@ class PolicyUpdate:
                     if first_forward:
                         forward_diff = max(forward_diff, float(out["logprob_diff_max"]))
                 first_forward = False
-                check_finite(outputs, self.trainer.global_step, group=self.trainer.strategy.controller.group)
+                check_finite(outputs, self.trainer.global_step, group=controller.group)
                 step = self.trainer.global_step
                 self.partial_update = True  # until the last optimizer step of this RL step is taken
                 with wire.category("gradients"):  # the distributed optimizer all-gathers the parameters
                     optimizer.step()
                 grad_norms.append(optimizer.last_grad_norm)
                 if self.critic_model is not None:
-                    critic_norms.append(self.critic.step(self.critic_model, mbs, step, critic_sums))
+                    critic_norms.append(self.critic.step(self.critic_model, mbs, step, critic_sums, group=controller.group))
         self.partial_update = False
         if self.balancer is not None:  # what this rank computed, without waiting for its peers
             self.balancer.measured(trained, time.perf_counter() - started - (self._grad_sync_seconds() - synced))
-        controller = self.trainer.strategy.controller
         stats = reduce_token_metrics(controller, sums, self.token_metrics)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if self.critic_model is not None:
