@@ -192,6 +192,17 @@ def _fit(out, *args, timeout=600, check=True):
     return run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, timeout=timeout, check=check)
 
 
+# The rule reward, and a tiny random judge constrained to a digit (its scores are noise, but deterministic noise).
+JUDGED = [
+    {"class_path": "yatt_lightning.rewards.RuleReward",
+     "init_args": {"path": "yatt_lightning.rewards.rules.alphabet_reward", "name": "alphabet"}},
+    {"class_path": "yatt_lightning.rewards.GenerativeRewardModel",
+     "init_args": {"model": "builtin:tiny-qwen2", "template": "after {prompt} the answer {completion} scores",
+                   "parser": {"class_path": "yatt_lightning.rewards.NumberParser", "init_args": {"low": 0, "high": 9}},
+                   "choices": list("0123456789"), "max_new_tokens": 2, "max_judge_tokens": 48, "weight": 0.1}},
+]  # fmt: skip
+
+
 def _steps(out) -> list[dict]:
     return json.loads((out / "steps.json").read_text())
 
@@ -200,7 +211,8 @@ def _steps(out) -> list[dict]:
 @pytest.mark.distributed
 def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
     """Disaggregated with max_staleness 0 (1 rollout + 1 trainer) against the colocated step on one process,
-    same seeds, PPO with its critic (GAE): the same samples, rewards, critic losses and final weights. Both run a
+    same seeds, PPO with its critic (GAE) and a generative judge beside the rule reward (on the rollout rank, its
+    engine beside the policy's): the same samples, judgments, rewards, critic losses and final weights. Both run a
     user's ``reward`` override that returns a plain tensor (the hook allows it; the asynchronous step once read
     it as scores and failed)."""
     from safetensors.torch import load_file
@@ -209,7 +221,8 @@ def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
 
     steps = ["--trainer.max_steps=8", "--data.init_args.batch_size=8",  # 4 RL steps of 2 optimizer steps
              "--model.class_path=tests.scripts.async_fit.PlainTensorReward",
-             "--model.advantage_estimator=yatt_lightning.algorithms.GAE", "--model.critic={}"]  # fmt: skip
+             "--model.advantage_estimator=yatt_lightning.algorithms.GAE", "--model.critic={}",
+             f"--model.rewards={json.dumps(JUDGED)}"]  # fmt: skip
     _fit(tmp_path / "async", *steps, "--trainer.strategy.placement.init_args.max_staleness=0",
          "--trainer.strategy.placement.init_args.fixed_lag=true")  # fmt: skip
     colocated = ["--trainer.devices=1", "--trainer.strategy.placement=yatt_lightning.placement.FullColocation"]
@@ -220,6 +233,7 @@ def test_lag_zero_reproduces_the_colocated_step_exactly(tmp_path):
         assert x["completions"] == y["completions"], f"step {k}: different samples"
         assert x["rewards"] == y["rewards"], f"step {k}: different rewards"
         assert x["critic_loss"] == y["critic_loss"] is not None, f"step {k}: the critic trained differently"
+        assert x["judge"] == y["judge"] is not None, f"step {k}: the judge scored differently"
         assert x["async"]["async/staleness_max"] == 0.0
     wa, wc = load_file(tmp_path / "async" / "weights.safetensors"), load_file(tmp_path / "colocated" / "weights.safetensors")
     assert wa.keys() == wc.keys()

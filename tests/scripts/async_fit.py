@@ -105,6 +105,7 @@ class Record(Callback):
             "async": {k: v for k, v in scalars.items() if k.startswith("async/")},
             "trained": "actor/pg_loss" in scalars,
             "critic_loss": scalars.get("critic/value_loss"),  # PPO's critic, trained beside the policy
+            "judge": scalars.get("reward/judge/mean"),  # a generative judge's mean score, where one scores
         })  # fmt: skip
         if trainer.global_rank == 0:
             with open(self.out / "record.jsonl", "a") as f:

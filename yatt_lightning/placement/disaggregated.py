@@ -215,11 +215,6 @@ class Disaggregated(SavePoints, Placement):
 
         if isinstance(setup.long_tail, PartialRollout):
             raise ValueError("`model.long_tail`: PartialRollout with Disaggregated is not supported yet; use WaitForAll.")
-        if self.judges(setup.reward_functions):
-            raise ValueError(
-                "`model.rewards`: a GenerativeRewardModel with Disaggregated is not supported yet; use "
-                "FullColocation or PartialColocation."
-            )
         world = list(range(len(self.trainers) + len(self.rollout)))
         self.batches = torch.distributed.new_group(world, backend="gloo")
         self.weights = torch.distributed.new_group([0, *self.rollout], backend="gloo")
@@ -233,6 +228,8 @@ class Disaggregated(SavePoints, Placement):
                 )
             policy_engine = dataclasses.replace(policy_engine, tensor_parallel_size=1)  # whatever the trainers' TP
             policy_engine.start(setup.engine, batch_scale=len(self.serves(me)))
+            for genrm in self.judges(setup.reward_functions):  # the rollout rank scores: its judges run beside it
+                genrm.start(seed=setup.engine.seed, max_num_seqs=setup.engine.max_num_seqs, dtype=setup.engine.dtype)
             self.sender = BatchSender(self.batches, self.timeout_s)
             self.receiver = WeightReceiver(self.weights, 0, data_group=self.weight_data)
             self.live.receiver = self.receiver
