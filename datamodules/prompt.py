@@ -15,6 +15,7 @@ the same order as the shards above) and hands it to the controller, which gives 
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
-from yatt_lightning.datamodules.tasks import AlphabetTask, Task
+from yatt_lightning.datamodules.tasks import AlphabetTask, EveryPrompt, Task
 
 from yatt_lightning.chat import chat_messages, display_prompt
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
 from yatt_lightning.distributed.seeding import resolve_seed
+
+log = logging.getLogger(__name__)
 
 
 class _Steps(Dataset):
@@ -137,8 +140,10 @@ class PromptDataModule(pl.LightningDataModule):
     shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
     seed: Seed of the shuffle; ``None`` follows ``seed_everything``.
     num_workers: Data-loader worker processes.
-    val_path: A held-out JSON-lines file for a stage's validation (``trainer.val_check_interval``).
-    val_task: A built-in task generating the held-out rows (give it another seed than ``task``'s).
+    val_path: A held-out JSON-lines file to validate on (RL and every stage: ``trainer.val_check_interval``).
+    val_task: A built-in task generating the held-out rows (give it another seed than ``task``'s), or
+        ``alphabet_heldout``: each prompt of the alphabet task's held-out split once (6 start letters; with
+        ``context`` 4, 26 prompts), the training task then drawing from the other prompts only.
     val_batch_size: Held-out rows per data-parallel rank per validation batch.
     """
 
@@ -152,7 +157,7 @@ class PromptDataModule(pl.LightningDataModule):
         seed: int | None = None,
         num_workers: int = 0,
         val_path: str | None = None,
-        val_task: Task | None = None,
+        val_task: Task | str | None = None,
         val_batch_size: int = 64,
     ) -> None:
         super().__init__()
@@ -175,8 +180,26 @@ class PromptDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.seed = resolve_seed(seed)
         self.num_workers = num_workers
+        if isinstance(val_task, str):
+            val_task = self._held_out_split(val_task)
         self.val_path, self.val_task, self.val_batch_size = val_path, val_task, val_batch_size
         self.dataset: PromptDataset | None = None
+
+    def _held_out_split(self, name: str) -> Task:
+        """``data.val_task`` given by name: the held-out split of the training task, which keeps the rest."""
+        if name != "alphabet_heldout":
+            raise ValueError(f"`data.val_task`: unknown held-out set {name!r}; name `alphabet_heldout`, give a task's "
+                             "class_path, or a file with `data.val_path`.")  # fmt: skip
+        task = self.task
+        if type(task) is not AlphabetTask or task.held_out is True:
+            where = f"`data.path` {self.path}" if self.path is not None else f"`data.task` {type(task).__name__}"
+            raise ValueError(f"`data.val_task: alphabet_heldout` holds out prompts of the alphabet task, but the training "
+                             f"rows come from {where}; give a held-out file with `data.val_path` instead.")  # fmt: skip
+        self.task = AlphabetTask(task.num_rows, task.answer_len, task.seed, task.context, held_out=False)
+        held = AlphabetTask(1, task.answer_len, task.seed, task.context, held_out=True)
+        log.info("training on the %d alphabet prompts outside the held-out split; validating on the other %d",
+                 len(self.task.prompts), len(held.prompts))  # fmt: skip
+        return EveryPrompt(held)
 
     def load_rows(self, path: str | None = None, task: Task | None = None) -> list[dict]:
         path, task = (path, task) if path is not None or task is not None else (self.path, self.task)

@@ -77,6 +77,20 @@ class AlphabetTask(Task):
                 "answer": answer}  # fmt: skip
 
 
+class EveryPrompt(Task):
+    """Each distinct prompt of an :class:`AlphabetTask` once, in order (a held-out set to validate on).
+
+    Args:
+        task: The task whose prompts (``task.prompts``: its split's, with ``held_out``) are listed.
+    """
+
+    def __init__(self, task: AlphabetTask) -> None:
+        self.task = task
+
+    def rows(self) -> list[dict]:
+        return [self.task.row(start, shown) for start, shown in self.task.prompts]
+
+
 class AlphabetPairsTask(AlphabetTask):
     """Preference pairs of the alphabet task: rows ``{"prompt": "after f", "chosen": "g h i j", "rejected": ...}``,
     the rejected answer the right one with one letter wrong (a near miss), for a DPO stage.

@@ -43,6 +43,7 @@ from yatt_lightning.training.optimizer_adapter import MegatronOptimizerAdapter
 from yatt_lightning.training.prompts import Prompts
 from yatt_lightning.training.step_metrics import StepContext, step_stats
 from yatt_lightning.training.update import PolicyUpdate
+from yatt_lightning.training.validation import Validating, Validation
 
 ALPHABET = "yatt_lightning.rewards.rules.alphabet_reward"  # the default reward (not an agent's)
 
@@ -51,7 +52,7 @@ ALPHABET = "yatt_lightning.rewards.rules.alphabet_reward"  # the default reward 
 _TOKEN_METRICS = ("pg_loss", "clip_fraction", "kl", "entropy", "ratio")
 
 
-class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
+class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, Validating, pl.LightningModule):
     """GRPO-style RL post-training of a Megatron-Core policy.
 
     Args:
@@ -98,6 +99,8 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
             (:class:`~yatt_lightning.agents.Agent`); the environment's rewards are added as ``environment``.
         lora: Train LoRA adapters on the frozen policy (:class:`~yatt_lightning.models.lora.LoRASettings`);
             the engine receives only the adapter after each step (or, with ``merge``, merged weights).
+        validation: How the held-out prompts (``data.val_path`` / ``data.val_task``) are sampled and judged,
+            before training and every ``trainer.val_check_interval`` (:mod:`yatt_lightning.training.validation`).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         seed: int | None = None,
         agent: Agent | None = None,
         lora: LoRASettings | None = None,
+        validation: Validation = lazy_default(Validation),
     ) -> None:
         super().__init__()
         for key, value, low in (
@@ -174,18 +178,11 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         names = [fn.name for fn in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"`model.rewards`: two reward functions share a name ({names}); rename one.")
-        self.dynamic_sampling = dynamic_sampling
-        self.long_tail = long_tail
-        self.sampling = sampling
-        self.algorithm = algorithm
-        self.advantage_estimator = advantage_estimator
-        self.critic = critic
-        self.loss_aggregation = loss_aggregation
-        self.off_policy_correction = off_policy_correction
-        self.kl_coef = kl_coef
-        self.kl_estimator = kl_estimator
-        self.kl_in_reward = kl_in_reward
-        self.reward_shaping = reward_shaping
+        self.dynamic_sampling, self.long_tail, self.sampling = dynamic_sampling, long_tail, sampling
+        self.algorithm, self.advantage_estimator, self.critic = algorithm, advantage_estimator, critic
+        self.loss_aggregation, self.off_policy_correction = loss_aggregation, off_policy_correction
+        self.kl_coef, self.kl_estimator, self.kl_in_reward = kl_coef, kl_estimator, kl_in_reward
+        self.reward_shaping, self.validation, self.val_tally = reward_shaping, validation, None
         correction = off_policy_correction.metric_names if off_policy_correction is not None else ()
         self.token_metrics = _TOKEN_METRICS + algorithm.extra_metrics + correction
         self.optimizer_settings = optimizer
@@ -194,10 +191,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, pl.LightningModule):
         self.apply_chat_template, self.system_prompt = apply_chat_template, system_prompt
         self.log_samples = log_samples
         self.seed = resolve_seed(seed)
-        self.policy = None
-        self.reference = None
-        self.critic_model = None
-        self.tokenizer = None
+        self.policy, self.reference, self.critic_model, self.tokenizer = None, None, None, None
         self.prompt_format: PromptFormat | None = None
         self.last_rollouts: RolloutBatch | None = None
         self.images: ImageInputs | None = None  # a vision-language policy's image tokens and pixels

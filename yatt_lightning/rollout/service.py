@@ -26,6 +26,7 @@ import torch
 from yatt_lightning.engines.base import RolloutEngine
 from yatt_lightning.rewards.base import RewardFunction, RewardOutput, TokenRewardFunction
 from yatt_lightning.rollout.batch import RolloutBatch
+from yatt_lightning.rollout.longtail import WaitForAll
 from yatt_lightning.rollout.types import (  # noqa: F401 (the types' former home: imported from here too)
     EngineSpec,
     Generation,
@@ -107,6 +108,16 @@ class RolloutService:
         hosts = self.placement.hosts_policy_engine()
         with self.engine_ready(request.weights_version) if hosts else _no_engine() as (engine, sync, pushed):
             return self.placement.generate(request, keep, engine), sync, pushed
+
+    def evaluate(self, request: RolloutRequest) -> RolloutBatch:
+        """Validation's rollouts for ``request``: every prompt's samples, the run's long-tail policy and its
+        state left alone. The engine takes the policy's weights again before the next step, whose push then
+        resets its prefix cache as it would have without this (the step samples as it would have)."""
+        generation, _, _ = self.generate(request)
+        batch = WaitForAll().collect(Plan(request, len(request.prompt_ids)), generation, self._require_setup().tokenizer,
+                                     self.controller.min_over_ranks)  # fmt: skip
+        self.mark_weights_stale()
+        return dataclasses.replace(batch, judged=generation.judged)
 
     def score(self, batch: RolloutBatch) -> Scores:
         """This rank's rewards (through the controller), using what the placement already judged while

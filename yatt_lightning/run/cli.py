@@ -66,7 +66,7 @@ class YattCLI(LightningCLI):
                 "use_distributed_sampler": False,  # PromptDataModule shards by data-parallel rank itself
                 "default_root_dir": "runs",  # logs, checkpoints and the saved config go under it
                 "logger": lazy_default(TensorBoardLogger, save_dir="", name="yatt"),
-                "num_sanity_val_steps": 0,
+                "num_sanity_val_steps": -1,  # with a held-out set: every batch of it, before training
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,  # RunConsole names the parameter count in one line
             },

@@ -205,14 +205,26 @@ def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
             f"the dataset ({source}) has {len(rows)} rows, fewer than one step needs ({replicas} data-parallel "
             f"ranks x `data.batch_size`={datamodule.batch_size}); add rows or lower `data.batch_size`."
         )
+    held_out = getattr(datamodule, "val_path", None), getattr(datamodule, "val_task", None)
+    validates = held_out != (None, None) and trainer.limit_val_batches != 0
+    placement = getattr(strategy, "placement", None)
+    if validates and placement is not None and placement.role.split:
+        raise ValueError(
+            f"`data.{'val_path' if held_out[0] else 'val_task'}` with `trainer.strategy.placement: "
+            f"{type(placement).__name__}`: validation during asynchronous RL is not built yet (the trainers "
+            "hold no engine, and which version a rollout rank would sample the held-out prompts with is not "
+            "settled); train with FullColocation or PartialColocation, or set `trainer.limit_val_batches: 0`."
+        )
+    val_rows = datamodule.load_rows(*held_out) if validates else []
     previous = model.tokenizer, model.prompt_format
     model.tokenizer, model.prompt_format = tokenizer, model.prompt_format_for(path, tokenizer)
     try:
-        for row in rows:
+        for row in rows + val_rows:
             model.tokenize_prompt(row)
     finally:
         model.tokenizer, model.prompt_format = previous
     check_reward_fields(model, rows)
+    check_reward_fields(model, val_rows)
     if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
         datamodule.dataset = datamodule.make_dataset(rows)  # checked: `setup` uses these rows instead of reading them again
 
