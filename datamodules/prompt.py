@@ -14,10 +14,11 @@ the same order as the shards above) and hands it to the controller, which gives 
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +26,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from typing_extensions import override
+from yatt_lightning.datamodules.table_rows import Columns, TableRows, is_table, prompt_row
 from yatt_lightning.datamodules.tasks import AlphabetTask, EveryPrompt, Task
-
-from yatt_lightning.chat import chat_messages, display_prompt
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -51,7 +51,7 @@ class _Steps(Dataset):
 
 
 class PromptDataset(Dataset):
-    def __init__(self, rows: list[dict]) -> None:
+    def __init__(self, rows: Sequence[dict]) -> None:
         self.rows = rows
 
     def __len__(self) -> int:
@@ -100,27 +100,7 @@ def read_jsonl(path: Path, prompt_key: str = "prompt") -> list[dict]:
     A row's prompt is a string under ``prompt_key``, or chat messages (``[{"role", "content"}, ...]``)
     under ``prompt_key`` or ``messages``; a chat row keeps them as ``messages`` and shows its last user
     message as ``prompt`` (see :mod:`yatt_lightning.chat`)."""
-    rows = []
-    for lineno, _, row in jsonl_objects(path):
-        where = f"{path}:{lineno}"
-        row = dict(row)
-        if prompt_key in row and "messages" in row:
-            raise ValueError(f"{where}: both {prompt_key!r} and 'messages'; give the prompt once.")
-        value = row.pop(prompt_key) if prompt_key in row else row.pop("messages", None)
-        if value is None:
-            raise ValueError(
-                f"{where}: no {prompt_key!r} field (fields: {', '.join(sorted(row)) or 'none'}); a row needs a prompt "
-                "string or chat 'messages'."
-            )
-        if isinstance(value, list):
-            row["messages"] = chat_messages(value, where)
-            row["prompt"] = display_prompt(row["messages"])
-        elif isinstance(value, str) and value.strip():
-            row["prompt"] = value
-        else:
-            raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string or a list of chat messages.")
-        row["_source"] = where
-        rows.append(row)
+    rows = [prompt_row(row, f"{path}:{lineno}", prompt_key) for lineno, _, row in jsonl_objects(path)]
     if not rows:
         raise ValueError(f"`data.path`: {path} holds no rows.")
     return rows
@@ -132,11 +112,15 @@ def _identity(rows: list[dict]) -> list[dict]:
 
 class PromptDataModule(pl.LightningDataModule):
     """Args:
-    path: A JSON-lines file of prompts; ``None`` uses ``task``.
+    path: The prompts: a JSON-lines file, a JSON file, Parquet (a file, a glob or a folder of them) or a folder
+        written by ``datasets``' ``save_to_disk`` (read lazily, :mod:`~yatt_lightning.datamodules.table_rows`);
+        ``None`` uses ``task``.
     task: A built-in task generating rows (default :class:`AlphabetTask` when ``path`` is not given).
     batch_size: Prompts per data-parallel rank per RL step (each is sampled ``model.sampling.n`` times).
     prompt_key: Field of each row holding the prompt (a string, or chat messages; a row may give
         ``messages`` instead).
+    answer_key: Column of a table holding the answer the rewards compare with, as ``answer`` (a dotted path
+        reaches into a struct); ``None``: ``answer``, else verl's ``reward_model.ground_truth``.
     shuffle: Shuffle every epoch (seeded: the order is the same for the same seed).
     seed: Seed of the shuffle; ``None`` follows ``seed_everything``.
     num_workers: Data-loader worker processes.
@@ -153,6 +137,7 @@ class PromptDataModule(pl.LightningDataModule):
         task: Task | None = None,
         batch_size: int = 16,
         prompt_key: str = "prompt",
+        answer_key: str | None = None,
         shuffle: bool = True,
         seed: int | None = None,
         num_workers: int = 0,
@@ -165,18 +150,17 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError("`data.path` and `data.task` are both set; choose one source of prompts.")
         if val_path is not None and val_task is not None:
             raise ValueError("`data.val_path` and `data.val_task` are both set; choose one held-out set.")
-        if val_path is not None and not Path(val_path).is_file():
-            raise FileNotFoundError(f"`data.val_path`: {val_path} does not exist.")
+        for key, where in (("path", path), ("val_path", val_path)):
+            if where is not None and not (Path(where).exists() or (is_table(where) and glob.glob(where))):
+                raise FileNotFoundError(f"`data.{key}`: {where} does not exist.")
         if val_batch_size < 1:
             raise ValueError(f"`data.val_batch_size` must be >= 1, got {val_batch_size}.")
         if batch_size < 1:
             raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}.")
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"`data.path`: {path} does not exist.")
         self.path = path
         self.task = task if task is not None or path is not None else AlphabetTask()
         self.batch_size = batch_size
-        self.prompt_key = prompt_key
+        self.prompt_key, self.answer_key = prompt_key, answer_key
         self.shuffle = shuffle
         self.seed = resolve_seed(seed)
         self.num_workers = num_workers
@@ -201,8 +185,12 @@ class PromptDataModule(pl.LightningDataModule):
                  len(self.task.prompts), len(held.prompts))  # fmt: skip
         return EveryPrompt(held)
 
-    def load_rows(self, path: str | None = None, task: Task | None = None) -> list[dict]:
-        path, task = (path, task) if path is not None or task is not None else (self.path, self.task)
+    def load_rows(self, path: str | None = None, task: Task | None = None) -> Sequence[dict]:
+        """The rows of ``path`` or ``task`` (default: the training ones): a list, or a table's rows read by index."""
+        held_out = path is not None or task is not None
+        path, task = (path, task) if held_out else (self.path, self.task)
+        if path is not None and is_table(path):
+            return TableRows(path, Columns(self.prompt_key, self.answer_key), "data.val_path" if held_out else "data.path")
         if path is not None:
             rows = read_jsonl(Path(path), self.prompt_key)
         else:

@@ -54,8 +54,9 @@ CONFIG_CASES = {
     "empty file": Case(["--data.path", "p.jsonl"], r"`data.path`: \S*p\.jsonl holds no rows", {"p.jsonl": ""}),
     "not utf-8": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1", {"p.jsonl": b'{"prompt": "\xff\xfe"}\n'}),
     "missing data file": Case(["--data.path", "nope.jsonl"], r"`data.path`: nope\.jsonl does not exist"),
-    "a JSON array, not JSON lines": Case(["--data.path", "p.json"], r"p\.json:1: .*one JSON object per line",
-                                         {"p.json": '[{"prompt": "a"}]\n'}),
+    # (a .json file may hold an array: it is read as a table, datamodules/table_rows.py)
+    "a JSON array, not JSON lines": Case(["--data.path", "p.jsonl"], r"p\.jsonl:1: .*one JSON object per line",
+                                         {"p.jsonl": '[{"prompt": "a"}]\n'}),
     "read-only root dir": Case(["--trainer.default_root_dir", "/proc/1/runs"],
                                r"`trainer.default_root_dir`: /proc/1/runs cannot be written \(/proc/1 is read-only"),
     "watchdog after the collective's timeout": Case(

@@ -23,6 +23,7 @@ LAST_LINE = {
     "async_rl.py": r"bound=(?P<bound>\S+) async_over_sync=(?P<x>\S+) overlap_efficiency=(?P<y>\S+) "
     r"async_over_colocated=\S+ reward_gap=(?P<gap>\S+) publish_over_bare=(?P<v>\S+) push_over_vllm_load=(?P<u>\S+) "
     r"tokens=(?P<tokens>\d+)",  # negative when noise exceeds the cost
+    "data_scale.py": r"rows=(?P<rows>\d+) first_open_s=(?P<open>\S+) rank_first_batch_s=(?P<first>\S+) rank_anon_mb=(?P<mb>\S+)",
     "controller_scaling.py": r"rank0_data_bytes_ratio=(?P<data>\S+) rank0_total_bytes_ratio=(?P<total>\S+)",
     "dp_balance.py": r"imbalance_before=(?P<before>\S+) imbalance_after=\S+ train_phase_speedup=(?P<speedup>\S+) "
     r"speedup_low=\S+ long_imbalance_before=(?P<long_before>\S+) long_imbalance_after=(?P<long_after>\S+) "
@@ -93,6 +94,9 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "controller_scaling.py":  # DP=2, 1 KiB payloads: the parallel controller sends under 0.3 of
         # the single controller's data bytes (one that shipped rows or completions through rank 0 gives ~1)
         assert f["data"] < 0.3 and 0 < f["total"] <= 1
+    elif name == "data_scale.py":  # 100,000 verl-layout Parquet rows, 2 ranks: each holds ~51 MB more (datasets'
+        # import, the sampler's permutation); rows read into a list, as a JSON-lines file is, hold 205 MB more
+        assert f["rows"] == 100_000 and f["mb"] < 120 and f["open"] + f["first"] < 30, f
     elif name == "dp_balance.py":
         # Long sequences: tokens dominate, so the cost model must move them and even the ranks out (a balancer
         # that moved nothing leaves imbalance_after = before); at both sizes a balanced step twice as slow as

@@ -46,12 +46,12 @@ def check_run(model, datamodule, trainer) -> None:
         check_writable(trainer)
         if hasattr(model, "check_rows") and datamodule is not None and hasattr(datamodule, "load_rows"):
             rows = datamodule.load_rows()
-            model.check_rows(path, rows)
+            model.check_rows(path, checked(rows))
             if datamodule.dataset is None:  # checked: `setup` uses these rows instead of reading them again
                 datamodule.dataset = datamodule.make_dataset(rows)
             held_out = getattr(datamodule, "val_path", None), getattr(datamodule, "val_task", None)
             if held_out != (None, None):
-                model.check_rows(path, datamodule.load_rows(*held_out))
+                model.check_rows(path, checked(datamodule.load_rows(*held_out)))
         return
     for fn in getattr(model, "reward_functions", []):
         if hasattr(fn, "check_student"):  # a teacher (on-policy distillation): the student's vocabulary
@@ -195,7 +195,7 @@ def load_tokenizer(path: Path) -> Any:
 def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
     """Every row loads, one step's worth exists, and every prompt tokenizes (in the model's chat template,
     as the step will) within the limit."""
-    rows = datamodule.load_rows()
+    every = rows = datamodule.load_rows()
     strategy = trainer.strategy
     layout = getattr(strategy, "layout", None)  # checked above (check_layout)
     replicas = max(layout.data_parallel() if layout is not None else 1, 1)
@@ -215,7 +215,8 @@ def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
             "hold no engine, and which version a rollout rank would sample the held-out prompts with is not "
             "settled); train with FullColocation or PartialColocation, or set `trainer.limit_val_batches: 0`."
         )
-    val_rows = datamodule.load_rows(*held_out) if validates else []
+    val_rows = checked(datamodule.load_rows(*held_out)) if validates else []
+    rows = checked(rows)  # a table's first rows: the others are named when they are read, at their step
     previous = model.tokenizer, model.prompt_format
     model.tokenizer, model.prompt_format = tokenizer, model.prompt_format_for(path, tokenizer)
     try:
@@ -226,7 +227,15 @@ def check_data(model, datamodule, trainer, path: Path, tokenizer) -> None:
     check_reward_fields(model, rows)
     check_reward_fields(model, val_rows)
     if datamodule.dataset is None and not getattr(strategy.controller, "loads_on_driver", False):
-        datamodule.dataset = datamodule.make_dataset(rows)  # checked: `setup` uses these rows instead of reading them again
+        datamodule.dataset = datamodule.make_dataset(every)  # checked: `setup` uses these rows instead of reading them again
+
+
+CHECKED_ROWS = 10_000  # of a table read by index (Parquet, a datasets folder), the rows checked before start
+
+
+def checked(rows) -> list[dict]:
+    """The rows preflight reads whole: all of a list, the first ``CHECKED_ROWS`` of a table read by index."""
+    return rows if isinstance(rows, list) else [rows[i] for i in range(min(len(rows), CHECKED_ROWS))]
 
 
 def check_reward_fields(model, rows: list[dict]) -> None:
