@@ -2,8 +2,8 @@
 
 ``RLHFModule.training_step`` returns the step's :class:`~yatt_lightning.training.step_metrics.StepStats` (already
 reduced over ranks); this callback logs its scalars through Lightning's loggers, gives the progress bar
-its figures, and writes a few completions as a Markdown table to TensorBoard's Text tab every
-``log_every_n_steps``. The module adds it (``configure_callbacks``), so every run has it.
+its figures, and writes a few completions as a table to every logger that takes one (TensorBoard's Text
+tab, a W&B table, an MLflow artifact: :mod:`yatt_lightning.trackers`) every ``log_every_n_steps``. The module adds it (``configure_callbacks``), so every run has it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 from typing_extensions import override
+
+from yatt_lightning.trackers import log_samples
 
 
 class StepLogger(Callback):
@@ -32,18 +34,8 @@ class StepLogger(Callback):
         pl_module.log_dict(
             stats.progress, prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True
         )
-        writer = getattr(pl_module.logger, "experiment", None) if pl_module.logger is not None else None
-        if (
-            stats.samples
-            and trainer.is_global_zero
-            and hasattr(writer, "add_text")
-            and not step % trainer.log_every_n_steps
-        ):
-            lines = ["| prompt | completion | reward |", "|---|---|---|"]
-            for prompt, completion, reward in stats.samples:
-                cells = [c.replace("|", "\\|").replace("\n", " ") for c in (prompt, completion)]
-                lines.append(f"| {cells[0]} | {cells[1]} | {reward:.3f} |")
-            writer.add_text("rollout/samples", "\n".join(lines), step)
+        if stats.samples and trainer.is_global_zero and not step % trainer.log_every_n_steps:
+            log_samples(trainer.loggers, "rollout/samples", stats.samples, step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ set_vllm_env()
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from yatt_lightning.datamodules.prompt import PromptDataModule  # noqa: E402
@@ -45,6 +45,17 @@ from yatt_lightning.module import RLHFModule  # noqa: E402, F401
 from yatt_lightning.run import errors  # noqa: E402
 from yatt_lightning.run.logging_setup import configure_logging  # noqa: E402
 from yatt_lightning.strategy import MegatronStrategy  # noqa: E402
+
+
+class SaveConfigToLoggers(SaveConfigCallback):
+    """The resolved configuration: ``config.yaml`` in the run's folder (Lightning's), and every logger's
+    hyperparameters but TensorBoard's (W&B's run config, MLflow's params; TensorBoard's run has the file)."""
+
+    def save_config(self, trainer: Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        config = self.config.as_dict()
+        for logger in trainer.loggers:
+            if not isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(config)
 
 
 class YattCLI(LightningCLI):
@@ -71,6 +82,7 @@ class YattCLI(LightningCLI):
                 "enable_model_summary": False,  # RunConsole names the parameter count in one line
             },
             auto_configure_optimizers=False,
+            save_config_callback=SaveConfigToLoggers,
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,

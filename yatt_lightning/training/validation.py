@@ -30,6 +30,7 @@ from yatt_lightning.distributed.seeding import rng_states, sampling_seed, set_rn
 from yatt_lightning.engines.base import SamplingConfig
 from yatt_lightning.rollout.batch import RolloutBatch
 from yatt_lightning.rollout.types import RolloutRequest, Scores
+from yatt_lightning.trackers import log_figures, log_samples
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,8 @@ def same_random_state() -> Iterator[None]:
 
 def publish(trainer, tally: Tally, validation: Validation, group, counts: bool) -> dict[str, float]:
     """Sum every rank's tally (over ``group``; a rank that ``counts`` not, the non-head ranks of a
-    model-parallel group, adds nothing) and, on global rank 0, write the figures to every logger at the
-    trainer's step, the samples table to TensorBoard and one line to the terminal. Returns the figures."""
+    model-parallel group, adds nothing) and, on global rank 0, write the figures and the samples table to every
+    logger at the trainer's step and one line to the terminal. Returns the figures."""
     mine = tally.sums if counts else {}
     parts: list = [None] * (torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1)
     if len(parts) > 1:
@@ -175,15 +176,8 @@ def publish(trainer, tally: Tally, validation: Validation, group, counts: bool) 
     figures = tally.figures(parts, validation.n)
     step = trainer.global_step
     if trainer.is_global_zero and figures:
-        for logger in trainer.loggers:
-            logger.log_metrics(figures, step=step)
-            writer = getattr(logger, "experiment", None)
-            if tally.samples and hasattr(writer, "add_text"):
-                lines = ["| prompt | completion | reward |", "|---|---|---|"]
-                for prompt, completion, reward in tally.samples:
-                    cells = [c.replace("|", "\\|").replace("\n", " ") for c in (prompt, completion)]
-                    lines.append(f"| {cells[0]} | {cells[1]} | {reward:.3f} |")
-                writer.add_text("val/samples", "\n".join(lines), step)
+        log_figures(trainer.loggers, figures, step)
+        log_samples(trainer.loggers, "val/samples", tally.samples, step)
         k = validation.ks()[-1]
         log.info("validation at step %d: reward %.3f, pass@%d %.3f, mean@%d %.3f over %d held-out prompts",
                  step, figures["val/reward/mean"], k, figures[f"val/pass@{k}"], validation.n,
