@@ -188,6 +188,31 @@ class ColourTask:
         return cache_dir() / f"colour-task-{self.num_rows}-{self.image_size}-{self.min_fill}-{self.seed}"
 
 
+class ArithmeticTask(Task):
+    """Sums with a boxed answer: rows ``{"prompt": "3+4=\\boxed{", "answer": "7"}``.
+
+    The prompt opens the box and the completion closes it (``7}``): :class:`~yatt_lightning.rewards.math.MathReward`
+    reads an answer the prompt started as boxed, and :class:`~yatt_lightning.rewards.math.BoxedFormatReward`
+    scores the box closed on a non-empty answer (``configs/grpo_math_tiny.yaml``). A tiny model's tokenizer spells
+    ``\\boxed{`` in seven tokens, which a random-initialised policy never writes by chance.
+
+    Args:
+        num_rows: How many rows.
+        max_operand: Operands are drawn from 0..max_operand.
+        seed: Seed of the operands.
+    """
+
+    def __init__(self, num_rows: int = 4096, max_operand: int = 4, seed: int = 0) -> None:
+        if num_rows < 1 or max_operand < 1:
+            raise ValueError(f"ArithmeticTask: `num_rows` and `max_operand` must be >= 1, got {num_rows}, {max_operand}.")
+        self.num_rows, self.max_operand, self.seed = num_rows, max_operand, seed
+
+    def rows(self) -> list[dict]:
+        rng = random.Random(self.seed)
+        pairs = [(rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)) for _ in range(self.num_rows)]
+        return [{"prompt": f"{a}+{b}=\\boxed{{", "answer": str(a + b)} for a, b in pairs]
+
+
 class LookupTask(Task):
     """An answer only a tool knows: rows ``{"prompt": "key q", "store": {"q": "7"}, "answer": "7"}``.
 

@@ -59,6 +59,13 @@ def test_every_shipped_config_builds_its_objects_on_cpu(config, tmp_path, monkey
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"what is {i}+1?", "answer": str(i + 1)}) + "\n"
                                                  for i in range(512)))  # fmt: skip
     text = re.sub(r"/data/[\w.-]+\.jsonl", str(tmp_path / "rows.jsonl"), text)
+    if ".parquet" in text:  # Parquet in verl's layout (the math config's GSM8K and MATH splits)
+        import datasets
+
+        rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"what is {i}+1?"}],
+                 "reward_model": {"ground_truth": str(i + 1)}} for i in range(512)]  # fmt: skip
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+        text = re.sub(r"/data/[\w./*-]+\.parquet", str(tmp_path / "rows.parquet"), text)
     text = text.replace("my_rewards.", "shipped_config_rewards.")  # the user's file a config names (another test has a my_rewards)
     (tmp_path / "shipped_config_rewards.py").write_text("def count_answer(prompt, completion, **row):\n    return 0.0\n")
     (tmp_path / "config.yaml").write_text(text)

@@ -47,3 +47,36 @@ def test_rows_without_an_answer_are_named_before_start_and_calls_run_on_the_dead
     assert BoxedFormatReward().row_problem(frozenset({"solution"})) is None
     out = reward(["p"] * 3, [r"\boxed{2}", r"\boxed{0.25}", "x"], [{"answer": "2"}, {"answer": "1/4"}, {"answer": "2"}])
     assert out.scores == [1.0, 1.0, 0.0] and reward._caller is not None  # scored on its worker thread
+
+
+def test_an_answer_in_a_box_the_prompt_opened_is_read_in_it():
+    from yatt_lightning.datamodules.tasks import ArithmeticTask
+
+    rows = ArithmeticTask(num_rows=50, max_operand=4, seed=1).rows()
+    assert {r["prompt"][-7:] for r in rows} == {"\\boxed{"} and all(0 <= int(r["answer"]) <= 8 for r in rows)
+    prompt, answer = rows[0]["prompt"], rows[0]["answer"]
+    wrong = str((int(answer) + 1) % 9)
+    math, form = MathReward(), BoxedFormatReward()
+    assert (math.score_one(prompt, f"{answer}}}", answer), form.score_one(prompt, f"{answer}}}")) == (1.0, 1.0)
+    assert (math.score_one(prompt, f"{wrong}}}", answer), form.score_one(prompt, f"{wrong}}}")) == (0.0, 1.0)
+    assert (math.score_one(prompt, answer, answer), form.score_one(prompt, answer)) == (0.0, 0.0)  # never closed
+    assert math.score_one("closed \\boxed{1} here", f"\\boxed{{{answer}}}", answer) == 1.0  # a closed box: not read
+
+
+@pytest.mark.slow
+def test_the_built_in_math_task_learns(tmp_path):
+    """`configs/grpo_math_tiny.yaml` for 100 steps: the last 10 steps' mean reward at least 0.3 above the first 10's
+    (measured 0.045 -> ~0.5 at 100 steps, 0.527 at 150). It is the format (the box closed on one number, which
+    reaches 1.0): the share of right sums stays near chance (0.08 at 500 steps) for this tiny random model."""
+    import sys
+
+    from tests.helpers import REPO, read_scalars, run
+
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_math_tiny.yaml"),
+         "--trainer.max_steps", "100", "--trainer.callbacks", "[]", f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        cwd=tmp_path, timeout=600)  # fmt: skip
+    scalars = read_scalars(tmp_path)
+    rewards = [v for _, v in scalars["reward/mean"]]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert len(rewards) == 100 and last >= first + 0.3, (first, last)
+    assert scalars["reward/boxed_format/mean"][-1][1] > 0.9, "the answer's box is closed on one number"

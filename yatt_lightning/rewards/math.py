@@ -51,6 +51,15 @@ def final_answer(completion: str, extract: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+def answer_text(prompt: str, completion: str) -> str:
+    """The text that holds the answer: the completion, after the box the prompt opened if it ends inside one
+    (a prompt ending ``\\boxed{`` asks for the answer in it, and the completion closes it)."""
+    start = prompt.rfind("\\boxed{")
+    if start >= 0 and not boxed_contents(prompt[start:]):
+        return "\\boxed{" + completion
+    return completion
+
+
 @lru_cache(maxsize=65536)
 def _parsed(text: str) -> tuple:
     """math-verify's parse of an answer (cached: a group's samples share their gold answer)."""
@@ -71,7 +80,8 @@ def equivalent(answer: str, gold: str) -> bool:
 
 
 class MathReward(RuleReward):
-    """1.0 when the completion's final answer equals the row's ``answer`` symbolically, else 0.0.
+    """1.0 when the completion's final answer equals the row's ``answer`` symbolically, else 0.0 (an answer in a
+    box the prompt opened is read in it: :func:`answer_text`).
 
     Args:
         extract: ``boxed`` (the last ``\\boxed{...}``; no box scores 0) or ``last_number`` (the last box, else
@@ -94,7 +104,7 @@ class MathReward(RuleReward):
         self.fn = self.score_one  # its signature names the row fields it needs: ``answer``
 
     def score_one(self, prompt: str, completion: str, answer: str, **row) -> float:
-        got = final_answer(completion, self.extract)
+        got = final_answer(answer_text(prompt, completion), self.extract)
         return 1.0 if got is not None and equivalent(got, answer) else 0.0
 
 
@@ -117,5 +127,5 @@ class BoxedFormatReward(RuleReward):
         self.fn = self.score_one
 
     def score_one(self, prompt: str, completion: str, **row) -> float:
-        boxed = boxed_contents(completion)
+        boxed = boxed_contents(answer_text(prompt, completion))
         return 1.0 if len(boxed) == 1 and boxed[0].strip() else 0.0
