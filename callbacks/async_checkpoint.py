@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
+from yatt_lightning.callbacks.best_checkpoint import BestCheckpoint
 from yatt_lightning.callbacks.disaggregated_saves import DisaggregatedSavePoints
 
 from yatt_lightning.checkpoint import folder as ckpt
@@ -71,6 +72,9 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
     on_no_space: Before each save, when the folder's disk has less free space than the save needs (the
         last checkpoint's size, or an estimate before the first; :mod:`yatt_lightning.checkpoint.space`):
         ``warn`` in one line, or ``stop`` the run before writing.
+    keep_best: A validation figure (``val/reward/mean``, ...): a validation that improves it saves the state,
+        which ``keep_last`` then keeps and the ``best`` file names (:mod:`~yatt_lightning.callbacks.best_checkpoint`).
+    best_mode: ``max`` (a higher figure is better) or ``min``.
     """
 
     def __init__(
@@ -84,6 +88,8 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
         save_at_end: bool = True,
         interrupt_grace_s: float = 60.0,
         on_no_space: Literal["warn", "stop"] = "warn",
+        keep_best: str | None = None,
+        best_mode: Literal["max", "min"] = "max",
     ) -> None:
         if every_n_steps is not None and every_n_steps < 0:
             raise ValueError(f"`AsyncCheckpoint.every_n_steps` must be >= 0, got {every_n_steps}.")
@@ -95,6 +101,7 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
             raise ValueError(f"`AsyncCheckpoint.interrupt_grace_s` must be > 0, got {interrupt_grace_s}.")
         if keep_last < 1:
             raise ValueError(f"`AsyncCheckpoint.keep_last` must be >= 1, got {keep_last}.")
+        self.best = BestCheckpoint(keep_best, best_mode) if keep_best is not None else None
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps or None
         self.every_minutes = every_minutes
@@ -176,6 +183,25 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
         if signalled:
             self._stop(trainer, self._signals.received, step)
         self.stall_seconds += time.perf_counter() - t0
+
+    @override
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """A new best by ``keep_best``: save this step's state (every rank agrees: the figure is the same on each)."""
+        best = self.best
+        if best is None or trainer.sanity_checking or not self._training:
+            return
+        if best.figure not in trainer.callback_metrics:
+            known = ", ".join(sorted(k for k in trainer.callback_metrics if k.startswith("val/")))
+            raise ValueError(f"`AsyncCheckpoint.keep_best`: validation logged no {best.figure!r} (it logged: {known}).")
+        step = trainer.global_step
+        if not best.offer(float(trainer.callback_metrics[best.figure]), step):
+            return
+        if trainer.is_global_zero:
+            log.info("best %s so far: %.4f at step %d", best.figure, best.value, step)
+        if step == self._last_saved_step and trainer.is_global_zero:  # its checkpoint is complete already
+            best.saved(self.dirpath / ckpt.checkpoint_name(step), step)
+        elif step != self._scheduled_step:
+            self.save(trainer)
 
     def _stop(self, trainer, signum: int | None, step: int) -> None:
         self._finalize(trainer, blocking=True)
@@ -322,8 +348,11 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
         if trainer.is_global_zero:
             log.info("checkpoint saved: step %d at %s", step, final)
             complete = ckpt.complete_checkpoints(self.dirpath, run_id=getattr(trainer.strategy, "run_id", None))
+            best = self.best.protected(self.dirpath, ckpt.checkpoint_name) if self.best is not None else None
+            if self.best is not None:
+                self.best.saved(final, step)
             protect = {Path(p).resolve() for p in (getattr(trainer.strategy, "resumed_from", None),
-                                                    ckpt.tracked(self.dirpath)) if p is not None}  # fmt: skip
+                                                    ckpt.tracked(self.dirpath), best) if p is not None}  # fmt: skip
             old = [p for p in complete[self.keep_last :] if p.resolve() not in protect]
             if old:
                 threading.Thread(target=lambda: [ckpt.remove(p) for p in old], daemon=True).start()
@@ -348,11 +377,13 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
     # ------------------------------------------------------------------ resume
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath)}
+        return {"dirpath": str(self.dirpath), "best": self.best.state_dict() if self.best is not None else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass  # where this run writes is its own configuration, not the resumed run's
+        # where this run writes is its own configuration, not the resumed run's; the best so far is the run's
+        if self.best is not None:
+            self.best.load_state_dict(state_dict.get("best"))
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """Validation during RL: pass@k and the tally (pure), the held-out split, and a real run with and without it."""
 
+import json
 import math
 import re
 import sys
@@ -61,6 +62,27 @@ def test_validation_settings_are_checked_naming_the_key_and_greedy_is_the_most_l
     assert seeds == Validation().seeds([{"_id": 0}, {"_id": 1}]) and seeds[0] != seeds[1]
 
 
+def test_the_best_checkpoint_follows_its_figure_both_ways_and_resumes(tmp_path):
+    from yatt_lightning.callbacks.best_checkpoint import BestCheckpoint
+
+    best = BestCheckpoint("val/reward/mean", "max")
+    assert [best.offer(v, s) for s, v in ((25, 0.3), (50, 0.5), (75, 0.4), (100, 0.5))] == [True, True, False, False]
+    assert (best.step, best.value) == (50, 0.5)
+    low = BestCheckpoint("val/response_length/mean", "min")
+    assert [low.offer(v, s) for s, v in ((1, 9.0), (2, 4.0), (3, 6.0))] == [True, True, False] and low.step == 2
+    folder = tmp_path / "step-00000050"
+    best.saved(tmp_path / "step-00000025", 25)  # not the best: `best` is not written
+    assert not (tmp_path / "best").exists()
+    best.saved(folder, 50)
+    assert (tmp_path / "best").read_text() == "step-00000050\n"
+    again = BestCheckpoint("val/reward/mean", "max")
+    again.load_state_dict(best.state_dict())
+    assert not again.offer(0.45, 125) and again.offer(0.6, 150)
+    for figure, mode, key in (("reward/mean", "max", "keep_best"), ("val/reward/mean", "up", "best_mode")):
+        with pytest.raises(ValueError, match=f"`AsyncCheckpoint.{key}`"):
+            BestCheckpoint(figure, mode)
+
+
 def test_the_named_held_out_split_shares_no_prompt_with_training_and_is_refused_where_it_cannot_hold(tmp_path):
     data = PromptDataModule(val_task="alphabet_heldout")
     train = {r["prompt"] for r in data.load_rows()}
@@ -99,16 +121,27 @@ def test_validation_where_it_does_not_run_is_refused_before_start_naming_the_key
 def test_rl_validation_logs_before_and_during_training_rises_and_leaves_the_run_bitwise_as_it_was(tmp_path):
     """`configs/grpo_tiny.yaml` for 50 steps with `--data.val_task alphabet_heldout --trainer.val_check_interval
     25`: val/reward/mean, val/pass@4 and val/mean@4 at steps 0 (before training), 25 and 50; the held-out reward
-    rises; no Lightning warning; the final weights equal those of the same run without validation, bit for bit."""
+    rises; no Lightning warning; the final weights equal those of the same run without validation, bit for bit;
+    `yatt validate --ckpt_path` on the checkpoint of step 50 logs the figures the run logged at step 50;
+    AsyncCheckpoint's keep_best saves the best step's state, keeps it past keep_last and names it in `best`."""
     from safetensors.torch import load_file
 
     script = REPO / "tests" / "scripts" / "async_fit.py"
     common = ["--base", str(REPO / "configs" / "grpo_tiny.yaml"), "--trainer.max_steps=50",
               "--data.val_task=alphabet_heldout"]  # fmt: skip
-    with_val = run([sys.executable, str(script), str(tmp_path / "val"), *common, "--trainer.val_check_interval=25"],
-                   cwd=tmp_path, timeout=600)  # fmt: skip
+    # keep_best with `min` (the lowest held-out reward: the one that is not the newest) saves step 25, which
+    # keep_last 1 would delete at step 50's save
+    saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+              "init_args": {"every_n_steps": 50, "keep_last": 1, "dirpath": str(tmp_path / "ckpts"),
+                            "keep_best": "val/reward/mean", "best_mode": "min"}}]  # fmt: skip
+    with_val = run([sys.executable, str(script), str(tmp_path / "val"), *common, "--trainer.val_check_interval=25",
+                    "--trainer.callbacks", json.dumps(saver)], cwd=tmp_path, timeout=600)  # fmt: skip
     run([sys.executable, str(script), str(tmp_path / "plain"), *common, "--trainer.limit_val_batches=0"],
         cwd=tmp_path, timeout=600)  # fmt: skip
+    # `yatt validate` on the checkpoint of step 50 gives the figures the run gave at step 50, at step 50
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "validate", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+         "--data.val_task", "alphabet_heldout", "--ckpt_path", str(tmp_path / "ckpts" / "step-00000050"),
+         f"--trainer.logger.init_args.save_dir={tmp_path / 'validate'}"], cwd=tmp_path, timeout=600)  # fmt: skip
     terminal = with_val.stdout + with_val.stderr
     assert not re.search(r"(PossibleUserWarning|UserWarning).*(lightning|val_dataloader|validation)", terminal), terminal[-3000:]
     scalars = read_scalars(tmp_path / "val" / "tb")
@@ -117,5 +150,10 @@ def test_rl_validation_logs_before_and_during_training_rises_and_leaves_the_run_
     held = [v for _, v in scalars["val/reward/mean"]]
     assert held[-1] >= held[0] + 0.3, held  # measured 0.026 -> 0.521 (the answers' form, then some letters)
     assert "val/reward/mean" not in read_scalars(tmp_path / "plain" / "tb")
+    assert (tmp_path / "ckpts" / "best").read_text() == "step-00000025\n"
+    assert {p.name for p in (tmp_path / "ckpts").glob("step-*")} == {"step-00000025", "step-00000050"}
+    again = read_scalars(tmp_path / "validate")
+    for key in ("val/reward/mean", "val/pass@4", "val/mean@4"):
+        assert again[key] == [scalars[key][-1]], (key, again[key], scalars[key])
     a, b = load_file(tmp_path / "val" / "weights.safetensors"), load_file(tmp_path / "plain" / "weights.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "validation changed the training"

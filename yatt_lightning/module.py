@@ -183,6 +183,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, Validating, pl.LightningModu
         self.loss_aggregation, self.off_policy_correction = loss_aggregation, off_policy_correction
         self.kl_coef, self.kl_estimator, self.kl_in_reward = kl_coef, kl_estimator, kl_in_reward
         self.reward_shaping, self.validation, self.val_tally = reward_shaping, validation, None
+        self.checkpoint_step: int | None = None
         correction = off_policy_correction.metric_names if off_policy_correction is not None else ()
         self.token_metrics = _TOKEN_METRICS + algorithm.extra_metrics + correction
         self.optimizer_settings = optimizer
@@ -261,6 +262,7 @@ class RLHFModule(Prompts, PolicyUpdate, AsyncSteps, Validating, pl.LightningModu
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.checkpoint_step = checkpoint.get("global_step")  # what `yatt validate` names its figures by
         placement = self.trainer.strategy.placement
         parts = (("dynamic_sampling", self.dynamic_sampling), ("long_tail", self.long_tail), ("placement", placement))
         for key, part in parts:

@@ -163,10 +163,10 @@ def same_random_state() -> Iterator[None]:
         set_rng_states(states)
 
 
-def publish(trainer, tally: Tally, validation: Validation, group, counts: bool) -> dict[str, float]:
+def publish(trainer, tally: Tally, validation: Validation, group, counts: bool, step: int) -> dict[str, float]:
     """Sum every rank's tally (over ``group``; a rank that ``counts`` not, the non-head ranks of a
     model-parallel group, adds nothing) and, on global rank 0, write the figures and the samples table to every
-    logger at the trainer's step and one line to the terminal. Returns the figures."""
+    logger at ``step`` and one line to the terminal. Returns the figures."""
     mine = tally.sums if counts else {}
     parts: list = [None] * (torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1)
     if len(parts) > 1:
@@ -174,7 +174,6 @@ def publish(trainer, tally: Tally, validation: Validation, group, counts: bool) 
     else:
         parts = [mine]
     figures = tally.figures(parts, validation.n)
-    step = trainer.global_step
     if trainer.is_global_zero and figures:
         log_figures(trainer.loggers, figures, step)
         log_samples(trainer.loggers, "val/samples", tally.samples, step)
@@ -203,5 +202,11 @@ class Validating:
             self.val_tally.add_batch(rollouts, Scores.of(self.reward(rollouts)).total, v)
 
     def on_validation_epoch_end(self) -> None:
-        strategy = self.trainer.strategy
-        publish(self.trainer, self.val_tally, self.validation, strategy.controller.group, strategy.is_model_parallel_head)
+        """The figures, at the trainer's step (``yatt validate``: the step of the checkpoint it loaded)."""
+        trainer, strategy = self.trainer, self.trainer.strategy
+        step = trainer.global_step if trainer.state.fn == "fit" else (self.checkpoint_step or 0)
+        figures = publish(trainer, self.val_tally, self.validation, strategy.controller.group,
+                          strategy.is_model_parallel_head, step)  # fmt: skip
+        # Lightning's callback_metrics too (not its loggers: published above), where AsyncCheckpoint's keep_best
+        # reads them; the same on every rank.
+        self.log_dict(figures, logger=False, sync_dist=True)
