@@ -36,7 +36,7 @@ for key in find-links extra-index-url; do
 done
 [[ -n "${PIP_FIND_LINKS:-}" ]] && UV+=(--find-links "$PIP_FIND_LINKS")
 echo "installing into $VENV: torch 2.13.0 (CPU build), then the locked CPU stack (requirements/cpu.lock; under a minute)"
-"${UV[@]}" "torch==2.13.0"
+"${UV[@]}" --compile-bytecode "torch==2.13.0"
 "${UV[@]}" --no-deps --compile-bytecode -r requirements/cpu.lock
 "${UV[@]}" --no-deps -e .
 for bad in torchvision torchaudio torchcodec triton; do

@@ -10,7 +10,7 @@ from yatt_lightning.datamodules.prompt import read_jsonl
 from tests.user_models import CHATML, CHATML_VISION, FAMILIES, build
 from yatt_lightning.chat import PromptFormat, render
 
-TEXT = [f for f in FAMILIES if f != "llava"]
+TEXT = [f for f in FAMILIES if not f.startswith("llava")]
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +93,35 @@ def test_llava_rows_render_structured_content_with_one_image_token_per_image(fol
         row = {"messages": chat, "prompt": "colour:", "images": ["ref"]}
         assert PromptFormat.of(folders["llava"], tok).ids(row) == _own(tok, chat)
     row = {"prompt": "<image>\ncolour:", "images": ["ref"], "_source": "r.jsonl:1"}
-    tok.chat_template = CHATML  # a text template: adds strings to message['content']
+    tok.chat_template = CHATML  # a text template: adds strings to message['content'], so content parts fail in it
+    ids = PromptFormat.of(folders["llava"], tok).ids(row)  # then the row's text, its mark the image token
+    assert ids == _own(tok, [{"role": "user", "content": "<image>\ncolour:"}]) and ids.count(image) == 1
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] + 1 }}\n{% endfor %}"
     with pytest.raises(ValueError, match=r"prompt \(r\.jsonl:1\): the chat template of .* fails on it \(a vision-language "
-                                         r"model's messages carry content parts\): TypeError"):  # fmt: skip
-        PromptFormat.of(folders["llava"], tok).ids(row)
+                                         r"model's messages carry content parts, then text\): TypeError"):  # fmt: skip
+        PromptFormat.of(folders["llava"], tok).ids(row)  # fails both ways
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'][-1]['text'] }}\n{% endfor %}"
-    with pytest.raises(ValueError, match=r"tokenizes to 0 image tokens for 1 images; the chat template of .* must render"):
-        PromptFormat.of(folders["llava"], tok).ids(row)  # a template that drops the image part
+    with pytest.raises(ValueError, match=r"tokenizes to 0 image tokens for 1 images; the chat template of .* renders no "
+                                         r"image token for each .* nor for each <image> mark"):  # fmt: skip
+        PromptFormat.of(folders["llava"], tok).ids(row)  # a template that drops the image either way
+
+
+def test_a_llava_template_that_prints_content_as_a_string_gets_the_rows_text_with_its_image_token(folders):
+    """A community-style template (``{{ message['content'] }}``): a prompt string with its mark, or a chat row of
+    content parts, render as text with the image token where the mark is (what transformers' processor renders
+    for that row); content parts alone would print the list."""
+    folder = folders["llava-string"]
+    tok = _tokenizer(folder)
+    image = tok.convert_tokens_to_ids("<image>")
+    fmt = PromptFormat.of(folder, tok)
+    ids = fmt.ids({"prompt": "What colour is <image> here?", "_images": ["a.png"]})
+    assert ids == _own(tok, [{"role": "user", "content": "What colour is <image> here?"}]) and ids.count(image) == 1
+    parts = [{"type": "image"}, {"type": "text", "text": "colour:"}]
+    row = {"messages": [{"role": "user", "content": parts}], "prompt": "colour:", "images": ["ref"]}
+    assert fmt.ids(row) == _own(tok, [{"role": "user", "content": "<image>\ncolour:"}])
+    two = PromptFormat.of(folder, tok, system_prompt="Look.").ids({"prompt": "<image> and <image>?", "_images": [1, 2]})
+    assert two.count(image) == 2 and two == _own(tok, [{"role": "system", "content": "Look."},
+                                                       {"role": "user", "content": "<image> and <image>?"}])  # fmt: skip
 
 
 def test_the_judge_wraps_its_prompt_in_its_tokenizers_chat_template(folders):

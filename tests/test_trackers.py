@@ -43,7 +43,8 @@ def test_tensorboard_wandb_offline_and_mlflow_each_receive_the_figures_the_confi
          "init_args": {"experiment_name": "yatt", "tracking_uri": f"file:{tmp_path / 'mlruns'}"}},
     ]  # fmt: skip
     # MLflow 3.17 refuses its file store unless told (it would have a database); W&B never leaves the machine
-    env = {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           **{f"WANDB_{d}_DIR": str(tmp_path / "wandb-home" / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}  # fmt: skip
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),

@@ -43,6 +43,21 @@ def test_users_text_models_learn_match_the_engine_and_export(tmp_path):
         assert len(rewards) == 60 and last >= first + 0.4, (family, first, last)
 
 
+def test_a_llava_whose_template_prints_content_as_a_string_trains_through_yatt_fit_as_it_is(tmp_path):
+    """A LLaVA folder with a community-style template (``{{ message['content'] }}``) and the colour task's rows,
+    ``<image>`` in their prompt text: `yatt fit` starts (preflight renders each row as text with its image token)
+    and trains, the engine's logprobs equal the policy's on every step."""
+    from tests.user_models import build
+
+    folder = build("llava-string", tmp_path / "llava")
+    assert "message['content'] }}" in (folder / "chat_template.jinja").read_text()
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
+         "--model.policy.path", str(folder), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path / "run"),
+         "--trainer.callbacks", "[]"], cwd=tmp_path, timeout=400)  # fmt: skip
+    scalars = read_scalars(tmp_path / "run")
+    assert len(scalars["reward/mean"]) == 4 and max(v for _, v in scalars["rollout/logprob_diff_max"]) < 1e-3
+
+
 def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_path):
     """A LLaVA written by transformers 5.19's ``save_pretrained`` (vision tower as ``vision_tower.*``, which
     vLLM's loader does not name), with its own processor and llava-hf's chat template: `yatt fit

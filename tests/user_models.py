@@ -37,6 +37,12 @@ LLAVA = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
     "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
+# A community-style LLaVA template that prints each message's content as a string (rows then carry <image> in
+# their text): given content parts it would print the list itself.
+LLAVA_STRING = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{{ message['content'] }}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 # ChatML for structured content (as Qwen2-VL writes it), with LLaVA's image token.
 CHATML_VISION = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
@@ -45,7 +51,7 @@ CHATML_VISION = (
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-FAMILIES = ("qwen2", "llama-tied", "mistral", "llava", "qwen3", "qwen3-moe", "llama3", "mistral-window")
+FAMILIES = ("qwen2", "llama-tied", "mistral", "llava", "qwen3", "qwen3-moe", "llama3", "mistral-window", "llava-string")
 # Llama 3.1's rope scaling (its values, at this tiny model's scale: the low frequencies of positions beyond 64
 # are scaled); Mistral's window shorter than the tests' sequences.
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -89,8 +95,9 @@ def _tokenizer(family: str):
     from tokenizers import processors
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
-    if family in ("qwen2", "llava", "qwen3", "qwen3-moe"):
-        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<image>"] if family == "llava" else [])
+    llava = family.startswith("llava")
+    if family in ("qwen2", "llava", "qwen3", "qwen3-moe", "llava-string"):
+        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<image>"] if llava else [])
         vocab, merges = _bpe(special)
         tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                              pad_token="<|endoftext|>")  # fmt: skip
@@ -171,15 +178,16 @@ def build(family: str, folder: Path, seed: int = 0) -> Path:
             image_seq_length=16, vision_feature_select_strategy="default", vision_feature_layer=-1,
         )  # fmt: skip
         model = LlavaForConditionalGeneration(config)
+        template = LLAVA_STRING if family == "llava-string" else LLAVA
         processor = LlavaProcessor(
             image_processor=CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-            tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", chat_template=LLAVA,
+            tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", chat_template=template,
             num_additional_image_tokens=1,
         )  # fmt: skip
-        tok.chat_template = LLAVA
+        tok.chat_template = template
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(folder)
-    (processor if family == "llava" else tok).save_pretrained(folder)
+    (processor if family.startswith("llava") else tok).save_pretrained(folder)
     return folder
 
 

@@ -169,6 +169,21 @@ class PromptFormat:
         image_token = config.image_token_index if vision else None
         return cls(tokenizer, template, system_prompt, image_token, source, tools if template is not None else None)
 
+    def _marked(self, row: dict) -> list[dict]:
+        """The messages as text, each ``<image>`` mark the model's own image token (for string templates)."""
+        token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return [{**m, "content": content_text(m["content"]).replace(IMAGE_MARK, token)} for m in messages]
+
+    def _fails(self, where: str, err: Exception) -> ValueError:
+        parts = " (a vision-language model's messages carry content parts, then text)" if self.image_token_id else ""
+        return ValueError(
+            f"prompt ({where}): the chat template of {self.source} fails on it{parts}: {type(err).__name__}: "
+            f"{err}; fix the template or the row, or set `model.apply_chat_template` false."
+        )
+
     def messages(self, row: dict) -> list[dict]:
         """The conversation the template renders for ``row``: its messages (or its prompt as a user turn),
         behind the system prompt unless they bring their own; structured content for a vision model."""
@@ -179,17 +194,24 @@ class PromptFormat:
         return [{**m, "content": convert(m["content"])} for m in messages]
 
     def ids(self, row: dict) -> list[int]:
-        """The prompt ids of ``row`` (one image token per image for a vision-language model)."""
+        """The prompt ids of ``row`` (one image token per image for a vision-language model). A vision model's
+        messages go to its template as content parts first; when that renders no image token for them (a
+        template that prints ``content`` as a string, as many community templates do), as text with the model's
+        image token where the row's ``<image>`` marks are, the convention of such templates."""
         where = row["_source"] if "_source" in row else "built-in task"
+        images = _row_images(row)
         if self.chat_template is not None:
             try:
                 ids = render(self.tokenizer, self.messages(row), self.chat_template, self.tools)
             except Exception as err:  # jinja's TemplateError, a template's own raise_exception, TypeError, ...
-                parts = " (a vision-language model's messages carry content parts)" if self.image_token_id else ""
-                raise ValueError(
-                    f"prompt ({where}): the chat template of {self.source} fails on it{parts}: {type(err).__name__}: "
-                    f"{err}; fix the template or the row, or set `model.apply_chat_template` false."
-                ) from err
+                if self.image_token_id is None:
+                    raise self._fails(where, err) from err
+                ids = None
+            if self.image_token_id is not None and images is not None and (ids is None or ids.count(self.image_token_id) != len(images)):
+                try:
+                    ids = render(self.tokenizer, self._marked(row), self.chat_template, self.tools)
+                except Exception as err:
+                    raise self._fails(where, err) from err
         else:
             text = messages_text(row["messages"]) if "messages" in row else row["prompt"]
             if self.image_token_id is not None:  # the marks as the model's own image token
@@ -197,11 +219,11 @@ class PromptFormat:
             ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         if not ids:
             raise ValueError(f"prompt {row.get('prompt')!r} ({where}) tokenizes to nothing.")
-        images = _row_images(row)
         if self.image_token_id is not None and images is not None and ids.count(self.image_token_id) != len(images):
             because = (
-                f"; the chat template of {self.source} must render an image token for each {{'type': 'image'}} "
-                "content part (transformers' multimodal convention), or set `model.apply_chat_template` false"
+                f"; the chat template of {self.source} renders no image token for each {{'type': 'image'}} content part "
+                "(transformers' multimodal convention) nor for each <image> mark in the text (string templates'), "
+                "or set `model.apply_chat_template` false"
                 if self.chat_template is not None
                 else "; write one <image> mark per image in the prompt"
             )
