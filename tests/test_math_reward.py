@@ -65,18 +65,18 @@ def test_an_answer_in_a_box_the_prompt_opened_is_read_in_it():
 
 @pytest.mark.slow
 def test_the_built_in_math_task_learns(tmp_path):
-    """`configs/grpo_math_tiny.yaml` for 100 steps: the last 10 steps' mean reward at least 0.3 above the first 10's
-    (measured 0.045 -> ~0.5 at 100 steps, 0.527 at 150). It is the format (the box closed on one number, which
+    """`configs/grpo_math_tiny.yaml` for 60 steps: the last 10 steps' mean reward at least 0.3 above the first 10's
+    (measured 0.045 -> 0.49 at 45-60 steps, 0.527 at 150). It is the format (the box closed on one number, which
     reaches 1.0): the share of right sums stays near chance (0.08 at 500 steps) for this tiny random model."""
     import sys
 
     from tests.helpers import REPO, read_scalars, run
 
     run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_math_tiny.yaml"),
-         "--trainer.max_steps", "100", "--trainer.callbacks", "[]", f"--trainer.logger.init_args.save_dir={tmp_path}"],
+         "--trainer.max_steps", "60", "--trainer.callbacks", "[]", f"--trainer.logger.init_args.save_dir={tmp_path}"],
         cwd=tmp_path, timeout=600)  # fmt: skip
     scalars = read_scalars(tmp_path)
     rewards = [v for _, v in scalars["reward/mean"]]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert len(rewards) == 100 and last >= first + 0.3, (first, last)
+    assert len(rewards) == 60 and last >= first + 0.3, (first, last)
     assert scalars["reward/boxed_format/mean"][-1][1] > 0.9, "the answer's box is closed on one number"
