@@ -122,7 +122,8 @@ def test_rl_validation_logs_before_and_during_training_rises_and_leaves_the_run_
     """`configs/grpo_tiny.yaml` for 50 steps with `--data.val_task alphabet_heldout --trainer.val_check_interval
     25`: val/reward/mean, val/pass@4 and val/mean@4 at steps 0 (before training), 25 and 50; the held-out reward
     rises; no Lightning warning; the final weights equal those of the same run without validation, bit for bit;
-    `yatt validate --ckpt_path` on the checkpoint of step 50 logs the figures the run logged at step 50;
+    `yatt validate --ckpt_path` on the checkpoint of step 50 logs the figures the run logged at step 50; 2
+    data-parallel ranks validate the untrained policy as one process does;
     AsyncCheckpoint's keep_best saves the best step's state, keeps it past keep_last and names it in `best`."""
     from safetensors.torch import load_file
 
@@ -152,8 +153,15 @@ def test_rl_validation_logs_before_and_during_training_rises_and_leaves_the_run_
     assert "val/reward/mean" not in read_scalars(tmp_path / "plain" / "tb")
     assert (tmp_path / "ckpts" / "best").read_text() == "step-00000025\n"
     assert {p.name for p in (tmp_path / "ckpts").glob("step-*")} == {"step-00000025", "step-00000050"}
+    # 2 data-parallel ranks (3 held-out prompts each) validate the untrained policy as one process does
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+         "--data.val_task", "alphabet_heldout", "--trainer.devices", "2", "--trainer.max_steps", "1",
+         "--trainer.callbacks", "[]", f"--trainer.logger.init_args.save_dir={tmp_path / 'dp2'}"], cwd=tmp_path,
+        timeout=600)  # fmt: skip
+    dp2 = read_scalars(tmp_path / "dp2")
+    assert [dp2[k][0] for k in ("val/reward/mean", "val/prompts")] == [scalars[k][0] for k in ("val/reward/mean", "val/prompts")]
     again = read_scalars(tmp_path / "validate")
-    for key in ("val/reward/mean", "val/pass@4", "val/mean@4"):
+    for key in ("val/reward/mean", "val/pass@4", "val/mean@4", "val/prompts"):
         assert again[key] == [scalars[key][-1]], (key, again[key], scalars[key])
     a, b = load_file(tmp_path / "val" / "weights.safetensors"), load_file(tmp_path / "plain" / "weights.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "validation changed the training"

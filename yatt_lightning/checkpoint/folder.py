@@ -297,9 +297,9 @@ def load_trainer_state(strategy, folder: Path) -> dict[str, Any]:
     saved_world = json.loads((folder / MANIFEST).read_text()).get("world_size")
     if saved_world != strategy.world_size:  # each rank's data position belongs to a sampler of that many ranks
         raise CheckpointError(
-            f"{folder} was written by {saved_world} processes and this run has {strategy.world_size}: resuming "
+            f"{folder} was written by {saved_world} processes and this run has {strategy.world_size}: loading it "
             "needs the same number (`trainer.devices` x `trainer.num_nodes`). To go on with another layout, "
-            "export the policy (`yatt export`) and start a new run from it."
+            "export the policy (`yatt export`) and start a new run (or `yatt validate --model.policy.path`) from it."
         )
     state_file = trainer_state_file(folder, strategy.global_rank)
     if not state_file.is_file():
