@@ -198,9 +198,10 @@ class AsyncCheckpoint(DisaggregatedSavePoints, Callback):
             return
         if trainer.is_global_zero:
             log.info("best %s so far: %.4f at step %d", best.figure, best.value, step)
-        if step == self._last_saved_step and trainer.is_global_zero:  # its checkpoint is complete already
-            best.saved(self.dirpath / ckpt.checkpoint_name(step), step)
-        elif step != self._scheduled_step:
+        if step == self._last_saved_step:  # its checkpoint is complete already: name it
+            if trainer.is_global_zero:
+                best.saved(self.dirpath / ckpt.checkpoint_name(step), step)
+        elif step != self._scheduled_step:  # else the save under way names it when it completes
             self.save(trainer)
 
     def _stop(self, trainer, signum: int | None, step: int) -> None:

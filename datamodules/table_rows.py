@@ -70,7 +70,6 @@ class TableRows:
     """
 
     def __init__(self, path: str, columns: Columns = Columns(), key: str = "data.path") -> None:
-        self.path, self.key = path, key
         self.table, self.files = _open(path, key)
         names = set(self.table.column_names)
         prompt = columns.prompt_key if columns.prompt_key in names else "messages" if "messages" in names else None

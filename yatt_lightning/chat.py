@@ -169,13 +169,17 @@ class PromptFormat:
         image_token = config.image_token_index if vision else None
         return cls(tokenizer, template, system_prompt, image_token, source, tools if template is not None else None)
 
-    def _marked(self, row: dict) -> list[dict]:
-        """The messages as text, each ``<image>`` mark the model's own image token (for string templates)."""
-        token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+    def _conversation(self, row: dict) -> list[dict]:
+        """``row``'s messages (or its prompt as a user turn), behind the system prompt unless they bring their own."""
         messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return [{**m, "content": content_text(m["content"]).replace(IMAGE_MARK, token)} for m in messages]
+        return messages
+
+    def _marked(self, row: dict) -> list[dict]:
+        """The messages as text, each ``<image>`` mark the model's own image token (for string templates)."""
+        token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        return [{**m, "content": content_text(m["content"]).replace(IMAGE_MARK, token)} for m in self._conversation(row)]
 
     def _fails(self, where: str, err: Exception) -> ValueError:
         parts = " (a vision-language model's messages carry content parts, then text)" if self.image_token_id else ""
@@ -187,11 +191,8 @@ class PromptFormat:
     def messages(self, row: dict) -> list[dict]:
         """The conversation the template renders for ``row``: its messages (or its prompt as a user turn),
         behind the system prompt unless they bring their own; structured content for a vision model."""
-        messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
-        if self.system_prompt is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         convert = content_parts if self.image_token_id is not None else content_text
-        return [{**m, "content": convert(m["content"])} for m in messages]
+        return [{**m, "content": convert(m["content"])} for m in self._conversation(row)]
 
     def ids(self, row: dict) -> list[int]:
         """The prompt ids of ``row`` (one image token per image for a vision-language model). A vision model's

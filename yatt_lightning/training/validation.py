@@ -114,23 +114,18 @@ class Tally:
 
     def add(self, source: str, rewards: list[float], lengths: list[int], correct_at: float) -> None:
         n, c = len(rewards), sum(r >= correct_at for r in rewards)
-        s = self.sums.setdefault(source, {})
-        for key, value in (("prompts", 1.0), ("samples", n), ("reward", sum(rewards)), ("mean@n", sum(rewards) / n),
-                           ("length", sum(lengths)), *((f"pass@{k}", pass_at_k(n, c, k)) for k in self.ks)):  # fmt: skip
-            s[key] = s.get(key, 0.0) + value
+        _add(self.sums.setdefault(source, {}), {"prompts": 1.0, "samples": n, "reward": sum(rewards),
+                                                "mean@n": sum(rewards) / n, "length": sum(lengths),
+                                                **{f"pass@{k}": pass_at_k(n, c, k) for k in self.ks}})  # fmt: skip
 
     def figures(self, parts: list[dict[str, dict[str, float]]], n: int) -> dict[str, float]:
         """The figures of every rank's sums (``parts``, gathered)."""
         merged: dict[str, dict[str, float]] = {}
+        total: dict[str, float] = {}
         for part in parts:
             for source, sums in part.items():
-                into = merged.setdefault(source, {})
-                for key, value in sums.items():
-                    into[key] = into.get(key, 0.0) + value
-        total: dict[str, float] = {}
-        for sums in merged.values():
-            for key, value in sums.items():
-                total[key] = total.get(key, 0.0) + value
+                _add(merged.setdefault(source, {}), sums)
+                _add(total, sums)
         if not total:
             return {}
         out = _figures(total, self.ks, n)
@@ -139,6 +134,11 @@ class Tally:
                 out[f"val/reward/mean/{source}"] = sums["reward"] / sums["samples"]
                 out.update({f"{k}/{source}": v for k, v in _figures(sums, self.ks, n).items() if "pass@" in k})
         return out
+
+
+def _add(into: dict[str, float], sums: dict[str, float]) -> None:
+    for key, value in sums.items():
+        into[key] = into.get(key, 0.0) + value
 
 
 def _figures(sums: dict[str, float], ks: list[int], n: int) -> dict[str, float]:
