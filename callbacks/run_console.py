@@ -39,6 +39,7 @@ class RunConsole(ProgressBar):
             raise ValueError(f"`RunConsole.summary_window` must be >= 1, got {summary_window}.")
         self.verbose = verbose
         self.summary_window = summary_window
+        console.capture_to_come = not verbose  # setup opens the log: output before then waits for it
         self._enabled = True
         self._capture: console.Capture | None = None
         self._bar = None

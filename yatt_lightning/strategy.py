@@ -1,6 +1,7 @@
 """MegatronStrategy: Megatron-Core parallel state on Lightning's process group, and the rollout engine's life.
 
-Lightning launches the processes (its subprocess launcher, torchrun or SLURM) and creates the default
+Lightning launches the processes (its subprocess launcher, torchrun or SLURM; on CPU a machine's local ranks are
+forked from rank 0 instead, :mod:`~yatt_lightning.distributed.fork_launcher`) and creates the default
 process group (gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU ones). This strategy then builds Megatron's tensor / pipeline /
 data-parallel groups over it, never wraps the module in torch's DDP (which would broadcast rank 0's
 parameters over the tensor-parallel shards; Megatron's own DDP is used instead), starts the rollout
@@ -22,8 +23,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from yatt_lightning.distributed import failures, training_world
+from yatt_lightning.distributed import console, failures, training_world
 from yatt_lightning.distributed import threads as run_threads
+from yatt_lightning.distributed.fork_launcher import ForkedRanks
 from yatt_lightning.distributed.layout import Layout
 from yatt_lightning.distributed.watchdog import Watchdog
 from yatt_lightning.engines.base import RolloutEngine
@@ -133,6 +135,27 @@ class MegatronStrategy(DDPStrategy):
         self.rollout = RolloutService(self.engine, self.placement, self.controller, offload_params)
 
     # ------------------------------------------------------------------ parallel state
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # Lightning's default: on CPU, the local ranks are forked from rank 0
+            self._launcher = ForkedRanks(self.cluster_environment, self.num_processes, self.num_nodes, self._preload)
+
+    def _preload(self) -> None:
+        """What every rank imports once the run starts (Megatron-Core's model, optimizer and checkpointing, the
+        engine's modules), imported by rank 0 before its local ranks are forked from it: ~5 s of a core less
+        for each of them. What they print goes into the run's log, as it did when each rank imported them."""
+        with console.hold_output():
+            import megatron.core.dist_checkpointing  # noqa: F401
+            import megatron.core.distributed  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401
+            import megatron.core.optimizer  # noqa: F401
+            import megatron.core.parallel_state  # noqa: F401
+
+            preload = getattr(self.engine, "preload", None)  # a user's engine may have none
+            if preload is not None:
+                preload()
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group

@@ -9,14 +9,19 @@ so nothing printed by a library is lost (it is in the file) and nothing of it re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 VERBOSE_ENV = "YATT_VERBOSE"
 last_capture: Path | None = None  # the newest capture file of this process (the CLI appends a traceback there)
+capture_to_come = False  # a RunConsole will open a Capture in this process (set by its constructor)
+held = ""  # what the libraries printed in :func:`hold_output`, written first into the next Capture's file
 
 
 def verbose() -> bool:
@@ -35,6 +40,10 @@ class Capture:
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 (lives as long as the capture)
+        global held
+        if held:
+            self._file.write(held)
+            held = ""
         os.dup2(self._file.fileno(), 1)
         os.dup2(self._file.fileno(), 2)
         self.terminal: TextIO = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
@@ -57,6 +66,34 @@ class Capture:
         self.terminal.close()
         self._file.close()
         self._file = None
+
+
+@contextlib.contextmanager
+def hold_output() -> Iterator[None]:
+    """File descriptors 1 and 2 into a temporary file while the block runs, when a Capture is to come (else as
+    they are): what the libraries print then (the imports before the local ranks are forked) goes into the run's
+    log once it opens, as it would have had they printed it after, and not on the terminal."""
+    global held
+    if not capture_to_come or verbose():
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    with tempfile.TemporaryFile("w+") as tmp:
+        os.dup2(tmp.fileno(), 1)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            tmp.seek(0)
+            held += tmp.read()
 
 
 class _FileCopy(logging.StreamHandler):

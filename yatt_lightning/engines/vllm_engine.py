@@ -111,6 +111,16 @@ class VLLMEngine(TextCompletions):
         self.lora_request = None  # the policy's LoRA adapter every request of the policy samples with
 
     # ------------------------------------------------------------------ life cycle
+    def preload(self) -> None:
+        """Import what :meth:`start` imports on CPU (vLLM's engine, CPU worker, model runner and loader), once,
+        in a process whose local ranks are forked from it (:mod:`yatt_lightning.distributed.fork_launcher`):
+        each rank would import them itself, ~4 s of a core."""
+        set_vllm_env()
+        import vllm.model_executor.model_loader  # noqa: F401
+        import vllm.v1.engine.llm_engine  # noqa: F401
+        import vllm.v1.executor.uniproc_executor  # noqa: F401
+        import vllm.v1.worker.cpu_worker  # noqa: F401
+
     def start(
         self,
         model_path: Path,
