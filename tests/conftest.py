@@ -46,7 +46,6 @@ def python() -> str:
     return sys.executable
 
 
-
 def pytest_collection_modifyitems(config, items):
     """The slow tests (real runs, 20-150 s each) first, in their files' order, then the rest: pytest-xdist's
     workers then end together on short tests, where slow tests collected last (the soak test, validation, the

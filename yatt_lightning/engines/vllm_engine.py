@@ -151,7 +151,7 @@ class VLLMEngine(TextCompletions):
 
         from yatt_lightning.engines import vllm_shutdown
 
-        vllm_shutdown.keep_trainer_process_group()
+        vllm_shutdown.adapt_to_trainer_process()
         on_gpu = torch.cuda.is_available()
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and not on_gpu:  # vLLM's CPU backend has no memory profiler to size it

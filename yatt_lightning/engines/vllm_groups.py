@@ -14,7 +14,7 @@ def join_engine_groups() -> None:
     from yatt_lightning.engines import vllm_shutdown
 
     set_vllm_env()
-    vllm_shutdown.keep_trainer_process_group()
+    vllm_shutdown.adapt_to_trainer_process()
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 

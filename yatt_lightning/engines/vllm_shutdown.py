@@ -36,8 +36,9 @@ def _cleanup_vllm_groups_only() -> None:
     # process holding torch and vLLM takes ~0.5 s on a CPU; twice was once per engine too many).
 
 
-def keep_trainer_process_group() -> None:
-    """Install the replacement (idempotent); call before creating an engine."""
+def adapt_to_trainer_process() -> None:
+    """Install both replacements of the module docstring, vLLM's cleanup and its heap freeze (idempotent); call
+    before creating an engine."""
     global _installed
     if _installed:
         return
@@ -55,9 +56,8 @@ def _leave_the_trainers_heap() -> None:
 
 def shutdown_engine(llm) -> None:
     """Stop ``llm`` (a ``vllm.LLM``) now, releasing its workers and vLLM's own process groups."""
-    keep_trainer_process_group()
+    adapt_to_trainer_process()
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
