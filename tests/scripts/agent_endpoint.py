@@ -33,6 +33,9 @@ def agent(row: dict, base_url: str, api_key: str) -> float | None:
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     from transformers import AutoTokenizer
 
     from yatt_lightning.agents import Agent, OpenAIEndpoint

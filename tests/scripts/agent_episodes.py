@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     from transformers import AutoTokenizer
 
     from yatt_lightning.agents import Agent, GuessEnvironment, Observation

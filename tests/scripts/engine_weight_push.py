@@ -14,6 +14,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     from transformers import AutoTokenizer
 
     from yatt_lightning.engines.base import SamplingConfig

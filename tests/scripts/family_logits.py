@@ -80,6 +80,9 @@ def worker(rank: int, port: int, folders: dict, queue) -> None:
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     import multiprocessing
 
     from tests.user_models import build

@@ -202,6 +202,9 @@ def mode_partial(rank: int, port: int, queue) -> None:
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.helpers import spawn_gloo
 

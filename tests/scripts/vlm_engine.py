@@ -38,6 +38,9 @@ def _max_diff(ours, theirs) -> float:
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     from PIL import Image
     from safetensors.torch import load_file, save_file
     from transformers import AutoProcessor, LlavaForConditionalGeneration

@@ -22,6 +22,9 @@ def stuck_reward() -> None:
 
 
 def main() -> None:
+    from yatt_lightning.run.process_exit import collect_once_at_exit
+
+    collect_once_at_exit()  # as `yatt` ends: without the interpreter's whole-heap collections at exit
     rank, port, deadline = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -32,8 +32,8 @@ def _cleanup_vllm_groups_only() -> None:
         vps._NODE_COUNT = None
     except Exception:  # the default group may already be gone at interpreter exit
         pass
-    # The engine's memory is released once, by shutdown_engine after this returns (a full collection of a
-    # process holding torch and vLLM takes ~0.5 s on a CPU; twice was once per engine too many).
+    # The engine's device memory is released once, by shutdown_engine after this returns (a full collection of
+    # a process holding torch and vLLM takes ~0.5 s of a core; twice was once per engine too many).
 
 
 def adapt_to_trainer_process() -> None:
@@ -55,9 +55,14 @@ def _leave_the_trainers_heap() -> None:
 
 
 def shutdown_engine(llm) -> None:
-    """Stop ``llm`` (a ``vllm.LLM``) now, releasing its workers and vLLM's own process groups."""
+    """Stop ``llm`` (a ``vllm.LLM``) now, releasing its workers and vLLM's own process groups.
+
+    On a GPU what the engine held in reference cycles is collected now and its device memory returned. On a CPU
+    that memory is the process's and goes with the collector's next full pass or at the exit
+    (:mod:`yatt_lightning.run.process_exit` collects once there): a collection here cost ~0.5 s of a core at the
+    end of every run, followed by the exit's own."""
     adapt_to_trainer_process()
     llm.llm_engine.engine_core.shutdown()
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
