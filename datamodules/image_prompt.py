@@ -7,7 +7,12 @@ Rows of a JSON-lines file, in either shape::
                                                {"type": "text", "text": "What colour is the square?"}]}],
      "answer": "red"}
 
-Image paths are relative to the dataset file. ``<image>`` marks where each image goes in the prompt; a
+or a table (Parquet files, a ``datasets`` folder: :mod:`~yatt_lightning.datamodules.table_rows`) whose
+``images`` column (``data.images_key``) holds each row's images, as ``datasets``' ``Image`` feature stores them
+(bytes) or as paths; verl's layout (geometry3k: ``prompt`` as chat messages with ``<image>`` marks, ``images``,
+``reward_model.ground_truth``) needs no mapping. A table's rows are read when drawn, like its text rows.
+
+Image paths are relative to the dataset file (a table's: its folder). ``<image>`` marks where each image goes in the prompt; a
 plain row without marks gets one per image in front of its text; a chat row keeps its messages (the
 model's chat template renders them, :mod:`yatt_lightning.chat`) and shows its last user message as
 ``prompt``.
@@ -38,8 +43,17 @@ from yatt_lightning.datamodules.images import (
     ImageRef,
     image_values,
     reference,
+    table_images,
 )
 from yatt_lightning.datamodules.prompt import PromptDataModule, jsonl_objects
+from yatt_lightning.datamodules.table_rows import (
+    Columns,
+    TableRows,
+    dotted_field,
+    is_table,
+    stored_row,
+    table_folder,
+)
 from yatt_lightning.datamodules.tasks import ColourTask
 
 from yatt_lightning.chat import IMAGE_MARK, chat_messages, content_parts, display_prompt, messages_text
@@ -91,11 +105,45 @@ def read_image_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+class ImageTableRows(TableRows):
+    """Image-and-text rows of a table, read by index, shaped as :func:`read_image_jsonl`'s rows: the images are
+    the row's ``images_key`` cell (bytes stay in the table until the row is drawn; paths are made absolute)."""
+
+    def __init__(self, path: str, columns: Columns, images_key: str) -> None:
+        super().__init__(path, columns)
+        if images_key not in self.table.column_names:
+            raise ValueError(
+                f"`data.images_key`: {path} has no column {images_key!r} (columns: "
+                f"{', '.join(sorted(self.table.column_names))}); name the column that holds each row's images."
+            )
+        self.path, self.images_key = path, images_key
+        self.folder = table_folder(path)
+        self.stored = self.table.with_format("arrow")  # datasets' Image cells as stored, not decoded
+
+    def __getitem__(self, index: int) -> dict:
+        where = f"{self.files} row {index}"
+        raw = stored_row(self.stored, index)
+        values = table_images(raw.pop(self.images_key))
+        if self.prompt_key not in ("prompt", "messages"):
+            raw["prompt"] = raw.pop(self.prompt_key)
+        text, messages = _prompt_text(raw, where, len(values))
+        row = {k: v for k, v in raw.items() if k not in ("prompt", "messages")}
+        if messages is None:
+            row["prompt"] = text
+        else:
+            row.update(messages=messages, prompt=display_prompt(messages))
+        if self.answer_key is not None and self.answer_key != "answer":
+            row["answer"] = dotted_field(row, self.answer_key, where)
+        values = [str(self.folder / v) if isinstance(v, str) and not v.startswith(INLINE_PREFIX) else v for v in values]
+        row.update(_images=values, _source=where, _row=int(index), _id=int(index))
+        return row
+
+
 class ImagePromptDataset(Dataset):
     """Rows whose images are checked and decoded when drawn; a bad one raises, or (``skip``) the next good
     row stands in and is counted."""
 
-    def __init__(self, rows: list[dict], path: Path, limits: ImageLimits, on_bad_image: str) -> None:
+    def __init__(self, rows: list[dict] | ImageTableRows, path: Path, limits: ImageLimits, on_bad_image: str) -> None:
         self.rows, self.path, self.limits, self.on_bad_image = rows, path, limits, on_bad_image
         self.bad: set[int] = set()  # rows whose images failed (skip mode)
 
@@ -111,12 +159,14 @@ class ImagePromptDataset(Dataset):
                 f.seek(row["_offset"])
                 inline = image_values(json.loads(f.readline()))
             values = [inline[k] if value is None else value for k, value in enumerate(values)]
-        refs = []
-        for k, value in enumerate(values):
-            ref = reference(value, base=self.path, where=row["_source"], limits=self.limits, line=row["_line"],
-                            offset=row["_offset"], index=k)  # fmt: skip
-            refs.append(ref)
-        row["images"] = refs
+        if "_row" in row:  # a table's: bytes are read back from the table, by row, column and index
+            spot = {"row": row.pop("_row"), "column": self.rows.images_key}
+        else:
+            spot = {"line": row["_line"], "offset": row["_offset"]}
+        row["images"] = [
+            reference(value, base=self.path, where=row["_source"], limits=self.limits, index=k, **spot)
+            for k, value in enumerate(values)
+        ]
         return row
 
     @property
@@ -142,13 +192,18 @@ class ImagePromptDataset(Dataset):
 class ImagePromptDataModule(PromptDataModule):
     """Args (besides :class:`~yatt_lightning.datamodules.prompt.PromptDataModule`'s):
 
-    path: The JSON-lines file of image-and-text rows.
+    path: The JSON-lines file of image-and-text rows, or a table (Parquet: a file, a glob or a folder; a
+        ``datasets`` ``save_to_disk`` folder; a JSON file) whose ``images_key`` column holds the images.
     task: A built-in image task instead (:class:`~yatt_lightning.datamodules.tasks.ColourTask`), written
         once under the model cache and then read like ``path``.
     on_bad_image: ``"raise"`` (default): a bad image stops the run naming the row and the image;
         ``"skip"``: the next good row stands in, and the count is logged.
     max_image_bytes: Largest image file (or inline data) accepted, in bytes.
     max_image_pixels: Largest decoded image accepted, in pixels (width x height).
+    prompt_key: A table's column holding the prompt (a string with ``<image>`` marks, or chat messages).
+    answer_key: A table's column holding the answer (a dotted path reaches into a struct); ``None``:
+        ``answer``, else verl's ``reward_model.ground_truth``.
+    images_key: A table's column holding each row's images (a list, or one image).
     """
 
     def __init__(
@@ -162,10 +217,16 @@ class ImagePromptDataModule(PromptDataModule):
         shuffle: bool = True,
         seed: int | None = None,
         num_workers: int = 0,
+        prompt_key: str = "prompt",
+        answer_key: str | None = None,
+        images_key: str = "images",
     ) -> None:
         if (path is None) == (task is None):
-            raise ValueError("`data.path` (an image-and-text jsonl file) or `data.task` (a built-in task): set one.")
-        super().__init__(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
+            raise ValueError("`data.path` (image-and-text rows: a jsonl file or a table) or `data.task` (a built-in "
+                             "task): set one.")  # fmt: skip
+        super().__init__(path=path, batch_size=batch_size, prompt_key=prompt_key, answer_key=answer_key,
+                         shuffle=shuffle, seed=seed, num_workers=num_workers)  # fmt: skip
+        self.images_key = images_key
         self.task = None  # PromptDataModule's text task; this module's is ``image_task``
         self.image_task = task
         if on_bad_image not in ("raise", "skip"):
@@ -181,14 +242,16 @@ class ImagePromptDataModule(PromptDataModule):
         return Path(self.path) if self.path is not None else self.image_task.write(self.image_task.folder())
 
     @override
-    def load_rows(self) -> list[dict]:
+    def load_rows(self) -> list[dict] | ImageTableRows:
+        if self.path is not None and is_table(self.path):
+            return ImageTableRows(self.path, Columns(self.prompt_key, self.answer_key), self.images_key)
         rows = read_image_jsonl(self.source())
         for i, row in enumerate(rows):
             row["_id"] = i
         return rows
 
     @override
-    def make_dataset(self, rows: list[dict]) -> ImagePromptDataset:
+    def make_dataset(self, rows: list[dict] | ImageTableRows) -> ImagePromptDataset:
         return ImagePromptDataset(rows, self.source(), self.limits, self.on_bad_image)
 
     @property

@@ -1,6 +1,8 @@
 """Images of prompt rows: references that travel, pixels that stay where they are used.
 
-A row names its images by path (relative to the dataset file) or inline (``data:image/...;base64,``).
+A row names its images by path (relative to the dataset file) or inline (``data:image/...;base64,``); a row
+of a table (Parquet, a ``datasets`` folder) may hold the bytes themselves, as ``datasets``' ``Image`` feature
+stores them (``{"bytes": ..., "path": ...}``).
 What travels with the row, to any rank or into a checkpoint, is an :class:`ImageRef`: where the bytes
 are and their SHA-256. The pixels are read (:func:`load_image`) on the rank that uses them, when it uses
 them (the engine's input, the training forward), and the hash proves it read what was checked.
@@ -19,7 +21,7 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
@@ -44,8 +46,10 @@ class ImageRef(NamedTuple):
     """Where an image's bytes are, and their hash (never the pixels).
 
     ``path``: the image file, or for an inline image the dataset file whose line ``line`` (1-based, at byte
-    ``offset``) holds it as the ``index``-th image of its row. A named tuple, not a frozen dataclass:
-    Lightning's batch transfer rebuilds dataclasses field by field, which a frozen one refuses.
+    ``offset``) holds it as the ``index``-th image of its row, or for an image in a table the table (as
+    ``data.path`` names it) whose row ``row`` holds it as the ``index``-th image of its column ``column``.
+    A named tuple, not a frozen dataclass: Lightning's batch transfer rebuilds dataclasses field by field,
+    which a frozen one refuses.
     """
 
     path: str
@@ -54,12 +58,16 @@ class ImageRef(NamedTuple):
     line: int | None = None
     offset: int | None = None
     index: int | None = None
+    row: int | None = None
+    column: str | None = None
 
     @property
     def inline(self) -> bool:
         return self.line is not None
 
     def describe(self) -> str:
+        if self.row is not None:
+            return f"image {self.index} of column {self.column!r}"
         return f"inline image {self.index}" if self.inline else f"image {self.path}"
 
 
@@ -77,6 +85,10 @@ def image_values(row: dict) -> list:
     return images if isinstance(images, list) else [images]
 
 
+def _shown(value: Any) -> str:
+    return f"{len(value)} bytes" if isinstance(value, bytes | bytearray) else repr(value)[:80]
+
+
 def _fail(where: str, what: str, fix: str) -> ImageError:
     return ImageError(f"{where}: {what}; {fix}, or set `data.on_bad_image: skip` to skip such rows and count them.")
 
@@ -91,15 +103,36 @@ def _decode_inline(value: str, where: str) -> bytes:
         raise _fail(where, f"inline image is not valid base64 ({err})", "re-encode it") from None
 
 
+def table_images(cell: Any) -> list:
+    """A table's images cell as :func:`reference` takes its images: each image's bytes, or the path (or inline
+    data) it names (``datasets``' undecoded ``Image`` is ``{"bytes": ..., "path": ...}``: bytes win); one image
+    or a list of them."""
+    values = cell if isinstance(cell, list) else [] if cell is None else [cell]
+    return [v.get("bytes") or v.get("path") if isinstance(v, dict) else v for v in values]
+
+
 def reference(
-    value: str, *, base: Path, where: str, limits: ImageLimits, line: int, offset: int, index: int
+    value: str | bytes,
+    *,
+    base: Path,
+    where: str,
+    limits: ImageLimits,
+    line: int | None = None,
+    offset: int | None = None,
+    index: int,
+    row: int | None = None,
+    column: str | None = None,
 ) -> ImageRef:
-    """A checked reference to the image ``value`` names (a path relative to ``base``, or inline data): the
-    bytes are read once, hashed, held to ``limits`` and decoded; the decoded image is kept for its first
-    use (:func:`load_image`)."""
-    if not isinstance(value, str) or not value:
-        raise _fail(where, f"image {index} is {value!r}, not a path or inline data", "give a path or data:image/...")
-    if value.startswith(INLINE_PREFIX):
+    """A checked reference to the image ``value`` names (a path relative to ``base``, inline data, or a table's
+    bytes: ``row`` and ``column`` of the table ``base``): the bytes are read once, hashed, held to ``limits``
+    and decoded; the decoded image is kept for its first use (:func:`load_image`)."""
+    if isinstance(value, bytes | bytearray) and row is not None:
+        data, path, kw = bytes(value), str(base), {"index": index, "row": row, "column": column}
+        value = f"image {index} of column {column!r}"  # for the messages below
+    elif not isinstance(value, str) or not value:
+        raise _fail(where, f"image {index} is {_shown(value)}, not image bytes, a path or inline data",
+                    "give a path or data:image/...")  # fmt: skip
+    elif value.startswith(INLINE_PREFIX):
         data = _decode_inline(value, where)
         path, kw = str(base), {"line": line, "offset": offset, "index": index}
     else:
@@ -123,7 +156,12 @@ def reference(
 
 def read_bytes(ref: ImageRef) -> bytes:
     """The image's bytes, as they were when the row was read (else an error saying the file changed)."""
-    if ref.inline:
+    if ref.row is not None:
+        from yatt_lightning.datamodules.table_rows import open_table, stored_row
+
+        data = table_images(stored_row(open_table(ref.path), ref.row)[ref.column])[ref.index]
+        data = data if isinstance(data, bytes) else b""  # the cell no longer holds bytes: changed, below
+    elif ref.inline:
         with open(ref.path, "rb") as f:
             f.seek(ref.offset)
             images = image_values(json.loads(f.readline()))

@@ -14,6 +14,7 @@ figures). verl's layout (``data_source``, ``prompt`` as chat messages, ``reward_
 
 from __future__ import annotations
 
+import functools
 import glob
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,9 +95,31 @@ class TableRows:
         where = f"{self.files} row {index}"
         row = prompt_row(self.table[int(index)], where, self.prompt_key)
         if self.answer_key is not None and self.answer_key != "answer":
-            row["answer"] = _get(row, self.answer_key, where)
+            row["answer"] = dotted_field(row, self.answer_key, where)
         row["_id"] = int(index)
         return row
+
+
+def table_folder(path: str) -> Path:
+    """The folder a table's relative paths (its images') start from: the table's folder, or its file's."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if any(c in path for c in "*?["):
+        return Path(sorted(glob.glob(path, recursive=True))[0]).parent
+    return p.parent
+
+
+@functools.cache
+def open_table(path: str):
+    """The table ``data.path`` names, opened once a process, rows as stored (``datasets``' ``Image`` cells as
+    ``{"bytes", "path"}``, undecoded): what an image reference pointing into the table reads back."""
+    return _open(path, "data.path")[0].with_format("arrow")
+
+
+def stored_row(table, index: int) -> dict:
+    """Row ``index`` of ``table`` (a ``with_format("arrow")`` view) as Python values, nothing decoded."""
+    return table[int(index)].to_pylist()[0]
 
 
 def _has(table, dotted: str) -> bool:
@@ -111,7 +134,8 @@ def _has(table, dotted: str) -> bool:
     return True
 
 
-def _get(row: dict, dotted: str, where: str) -> Any:
+def dotted_field(row: dict, dotted: str, where: str) -> Any:
+    """The value at ``dotted`` (``reward_model.ground_truth`` reaches into a struct); an error naming the row."""
     value: Any = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:

@@ -136,3 +136,29 @@ def growth(scalars: dict, rank: int = 0, warm: int = 10) -> dict[str, float]:
     floor_rise = min(rss[3 * quarter :]) - min(rss[2 * quarter : 3 * quarter])
     return {"threads": threads[-1] - threads[warm - 1], "fds": fds[-1] - fds[warm - 1],
             "rss_gb_per_100": floor_rise * 100 / quarter, "threads_max": max(threads)}  # fmt: skip
+
+
+def colour_task_in_verls_layout(out: Path, num_rows: int = 64, seed: int = 0) -> Path:
+    """The built-in colour task as a user's image data in verl's layout (geometry3k's columns), a Parquet file
+    written by ``datasets``: ``prompt`` as chat messages with an ``<image>`` mark, ``images`` in ``datasets``'
+    ``Image`` feature (the PNG bytes inside the file), ``reward_model.ground_truth``, ``data_source``."""
+    import io
+
+    import datasets
+    from yatt_lightning.datamodules.tasks import ColourTask
+
+    columns: dict[str, list] = {"data_source": [], "prompt": [], "images": [], "reward_model": []}
+    for name, image in ColourTask(num_rows=num_rows, seed=seed).images():
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        columns["data_source"].append("colours")
+        columns["prompt"].append([{"role": "user", "content": "<image>\ncolour:"}])
+        columns["images"].append([{"bytes": png.getvalue(), "path": None}])
+        columns["reward_model"].append({"ground_truth": name, "style": "rule"})
+    text = datasets.Value("string")
+    features = datasets.Features({
+        "data_source": text, "prompt": datasets.List({"role": text, "content": text}),
+        "images": datasets.List(datasets.Image()), "reward_model": {"ground_truth": text, "style": text},
+    })  # fmt: skip
+    datasets.Dataset.from_dict(columns, features=features).to_parquet(str(out))
+    return out

@@ -161,3 +161,51 @@ def test_collapsing_expanded_image_tokens_restores_one_per_image_also_for_adjace
     assert collapse([*[img] * (2 * per), 5], img, per) == [img, img, 5]  # two images side by side
     with pytest.raises(ValueError, match="run of 3 image tokens is not a whole number of 4-token images"):
         collapse([img, img, img], img, per)
+
+
+def test_a_parquet_table_in_verls_layout_gives_the_jsonl_rows_and_reads_its_images_back_from_the_table(tmp_path):
+    """geometry3k's layout (chat prompt with an ``<image>`` mark, ``datasets``' Image bytes, verl's answer column)
+    read lazily: the same prompts, answers and image bytes (by hash) as the colour task's jsonl file, each image a
+    reference into the table that is read back, hash-checked, where it is used."""
+    from yatt_lightning.datamodules.image_prompt import ImageTableRows
+    from yatt_lightning.datamodules.tasks import ColourTask
+
+    from tests.helpers import colour_task_in_verls_layout
+
+    table = colour_task_in_verls_layout(tmp_path / "colours.parquet", num_rows=8, seed=3)
+    rows = ImagePromptDataModule(path=str(table), batch_size=1).load_rows()
+    assert isinstance(rows, ImageTableRows) and len(rows) == 8
+    from_table = _dataset(str(table))
+    from_jsonl = _dataset(str(ColourTask(num_rows=8, seed=3).write(tmp_path / "jsonl")))
+    for i in range(8):
+        row, twin = from_table[i], from_jsonl[i]
+        assert row["answer"] == twin["answer"] and row["data_source"] == "colours"
+        assert row["messages"] == [{"role": "user", "content": f"{IMAGE_MARK}\ncolour:"}]
+        (ref,), (twin_ref,) = row["images"], twin["images"]
+        assert ref.sha256 == twin_ref.sha256 and (ref.row, ref.column, ref.index) == (i, "images", 0)
+        assert len(pickle.dumps(row)) < 1000, "a row travels with a reference, not the image's bytes"
+    clear_decoded()  # read back from the table now
+    ref, twin_ref = from_table[5]["images"][0], from_jsonl[5]["images"][0]
+    assert load_image(ref).tobytes() == load_image(twin_ref).tobytes()
+
+
+def test_a_tables_image_paths_start_at_its_folder_and_its_bad_columns_and_rows_are_named(tmp_path):
+    import datasets
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "red.png").write_bytes(_png((255, 0, 0)))
+    table = tmp_path / "rows.parquet"
+    datasets.Dataset.from_dict({
+        "question": [f"{IMAGE_MARK} What colour?", "What colour?"], "images": [["img/red.png"], ["img/red.png"]],
+        "label": ["red", "red"],
+    }).to_parquet(str(table))  # fmt: skip
+    ds = _dataset(str(table), prompt_key="question", answer_key="label")
+    assert load_image(ds[0]["images"][0]).getpixel((0, 0)) == (255, 0, 0)
+    assert ds[1]["prompt"] == f"{IMAGE_MARK}\nWhat colour?"  # a plain prompt without marks: its image in front
+    with pytest.raises(ValueError, match=r"`data.images_key`: .*rows.parquet has no column 'pictures'"):
+        _dataset(str(table), prompt_key="question", images_key="pictures")
+    bad = tmp_path / "bad.parquet"
+    two_marks = {"prompt": [f"{IMAGE_MARK}{IMAGE_MARK} Two?"], "images": [["img/red.png"]]}
+    datasets.Dataset.from_dict(two_marks).to_parquet(str(bad))
+    with pytest.raises(ValueError, match=r"bad.parquet row 0: the prompt has 2 <image> marks for 1 images"):
+        _dataset(str(bad))[0]

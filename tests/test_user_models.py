@@ -60,9 +60,11 @@ def test_a_llava_whose_template_prints_content_as_a_string_trains_through_yatt_f
 
 def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_path):
     """A LLaVA written by transformers 5.19's ``save_pretrained`` (vision tower as ``vision_tower.*``, which
-    vLLM's loader does not name), with its own processor and llava-hf's chat template: `yatt fit
-    --model.policy.path` on the colour task starts the engine, trains (engine and policy agree on every
-    step), and `yatt export` writes a folder transformers loads whole, its tower, projector and language
+    vLLM's loader does not name), with its own processor and llava-hf's chat template, and the user's data, the
+    colour task as a Parquet file in verl's layout (geometry3k's columns: chat prompts with an ``<image>`` mark,
+    ``datasets``' Image bytes, ``reward_model.ground_truth``): `yatt fit --model.policy.path --data.path` starts
+    the engine, trains (engine and policy agree on every step; the images are read from the table), and `yatt
+    export` writes a folder transformers loads whole, its tower, projector and language
     model the trained ones. The reward is the user's own (a file in the working directory): the colour's
     first letter first, which a random policy hits often enough for 8 steps to have gradients (the exact
     colour word, in 2 tokens, it rarely samples)."""
@@ -70,6 +72,7 @@ def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_
     from safetensors.torch import load_file
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    from tests.helpers import colour_task_in_verls_layout
     from tests.user_models import build
     from yatt_lightning.models.vlm import published_name
 
@@ -80,8 +83,10 @@ def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_
     )
     saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
               "init_args": {"every_n_steps": 1000, "dirpath": str(tmp_path / "ckpts")}}]  # fmt: skip
+    table = colour_task_in_verls_layout(tmp_path / "colours.parquet")
     run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
-         "--model.policy.path", str(folder), "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path / "run"),
+         "--model.policy.path", str(folder), "--data.path", str(table), "--data.task", "null",
+         "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path / "run"),
          "--model.reward_fn", "first_letter.score", "--trainer.callbacks", json.dumps(saver)], cwd=tmp_path,
         timeout=400)  # fmt: skip
     scalars = read_scalars(tmp_path / "run")
