@@ -21,7 +21,7 @@ def _config(model_type: str, **kw):
 
 
 def test_every_family_is_registered_once_and_a_second_registration_is_refused():
-    assert {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "llava"} <= set(registered())
+    assert {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "llava", "qwen2_5_vl"} <= set(registered())
 
     class Again(DecoderFamily):
         model_type = "qwen3"
@@ -46,6 +46,23 @@ def test_each_family_reads_what_its_config_says():
                           norm_topk_prob=True, mlp_only_layers=[0]))  # fmt: skip
     assert moe.moe.num_experts == 8 and moe.moe.top_k == 2 and moe.moe.normalize_top_k
     assert moe.moe.moe_layers == (False, True) and moe.moe.aux_loss_coef == 0.001
+
+
+def test_qwen2_5_vl_reads_its_text_model_with_mrope_and_refuses_sections_that_do_not_fit_the_head():
+    from transformers import Qwen2_5_VLConfig
+
+    def config(section):
+        text = dict(SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section})
+        vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+
+    arch = arch_of(config([2, 3, 3]))  # head 16: 8 rotary pairs for (time, height, width)
+    assert arch.model_type == "qwen2_5_vl" and arch.mrope_section == (2, 3, 3)
+    assert arch.qkv_bias and arch.head_dim == 16 and arch.rope_theta == 1e6 and not arch.tie_word_embeddings
+    assert arch_of(_config("qwen2")).mrope_section is None
+    refused = r"text_config.rope_parameters.mrope_section \[4, 4, 4\] must be three numbers"
+    with pytest.raises(ValueError, match=refused):
+        arch_of(config([4, 4, 4]))
 
 
 def test_llama3_rope_takes_transformers_frequencies_and_other_scalings_are_refused_naming_the_key():
@@ -124,16 +141,22 @@ def test_each_family_gives_transformers_logits_at_every_layout_and_exports_its_f
     ``save_pretrained``: Megatron's logits equal transformers' (< 1e-4, fp32) at TP=1, TP=2, PP=2 and, for the
     mixture, EP=2 (4 experts a rank, tokens exchanged by all-to-all); the export gives back every tensor of the
     folder bitwise (experts gathered over the expert-parallel group). Without its window Mistral's logits differ
-    by more than 0.1: the window is what the match checks."""
+    by more than 0.1: the window is what the match checks. Qwen2.5-VL (issue 43): the same on rows holding images of
+    different sizes, with transformers' vision tower in front and M-RoPE's positions."""
     from tests.helpers import run_script
 
-    result = run_script("family_logits.py", str(tmp_path), "qwen3", "qwen3-moe", "llama3", "mistral-window", timeout=400)
-    expected = {f"{layout}/{family}" for layout in ("tp1", "tp2", "pp2") for family in ("qwen3", "qwen3-moe", "llama3", "mistral-window")}
+    families = ("qwen3", "qwen3-moe", "llama3", "mistral-window", "qwen2.5-vl")
+    result = run_script("family_logits.py", str(tmp_path), *families, timeout=400)
+    expected = {f"{layout}/{family}" for layout in ("tp1", "tp2", "pp2") for family in families}
     assert set(result) == expected | {"ep2/qwen3-moe"}, sorted(result)
     for key, entry in result.items():
         assert entry["export_equal"], key
         assert entry["logit_diff"] < 1e-4, (key, entry)
     assert result["tp1/mistral-window"]["without_window_diff"] > 0.1
+    # Qwen2.5-VL: a row with two images of different sizes (6 and 8 tokens: dynamic resolution), one with one; the
+    # vision tower (windowed and full attention, merger) and M-RoPE's positions are what the match checks
+    assert result["tp1/qwen2.5-vl"]["image_tokens"] == [6, 8, 8]
+    assert result["tp1/qwen2.5-vl"]["without_mrope_diff"] > 1e-2
 
 
 def test_what_a_mixture_of_experts_cannot_run_yet_is_refused_before_start_naming_the_key(tmp_path):
@@ -151,3 +174,17 @@ def test_what_a_mixture_of_experts_cannot_run_yet_is_refused_before_start_naming
     code, err = yatt_in_process([*moe, "--trainer.devices", "4", "--trainer.strategy.expert_model_parallel_size", "4",
                                  "--model.policy.path", "builtin:tiny-qwen3"], cwd=tmp_path)  # fmt: skip
     assert code == 2 and "`trainer.strategy.expert_model_parallel_size`=4: the model (qwen3) has no experts" in err, err
+
+
+def test_a_qwen2_5_vl_run_is_refused_before_start_saying_what_is_built(tmp_path):
+    """In-process `yatt fit` with a user's Qwen2.5-VL folder: its policy runs (the logits test above), its rollout
+    is not built, and preflight says so on one screen (not an AttributeError from the image inputs)."""
+    from tests.helpers import REPO, yatt_in_process
+    from tests.user_models import build
+
+    folder = build("qwen2.5-vl", tmp_path / "qwen2.5-vl")
+    config = str(REPO / "configs" / "grpo_vlm_tiny.yaml")
+    args = ["fit", "--config", config, "--trainer.callbacks", "[]", "--model.policy.path", str(folder)]
+    code, err = yatt_in_process(args, cwd=tmp_path)
+    assert code == 2 and f"`model.policy.path`: {folder} is a qwen2_5_vl model: its policy is built" in err, err
+    assert "Traceback" not in err

@@ -17,7 +17,7 @@ import torch
 from yatt_lightning.checkpoint import folder as ckpt
 from yatt_lightning.checkpoint import lora_base
 from yatt_lightning.models import convert, lora, vlm
-from yatt_lightning.models.families import arch_of
+from yatt_lightning.models.families import arch_of, family_for
 from yatt_lightning.models.lora import LoRASettings
 
 # Names in Megatron's checkpoints (Transformer-Engine style) -> names of the local layer spec.
@@ -69,8 +69,8 @@ def export(ckpt_dir: str, out: str, dtype: str | None = None, max_shard_size: st
     hf_tensors = {}
     for name, tensor in read_model_tensors(folder / ckpt.WEIGHTS).items():
         for local_name, full in _unstack(name, tensor):
-            if vision_language:  # LLaVA: the tower and projector keep their names, the LM gets language_model.
-                pairs = vlm.export_names(local_name, full, arch, layer_offset=0)
+            if vision_language:  # the vision parts keep their names, the LM gets the family's prefix
+                pairs = vlm.export_names(local_name, full, arch, 0, names=family_for(hf_config).vision_names)
             else:
                 pairs = convert.megatron_to_hf(local_name, full, arch)
             for hf_name, t in pairs:

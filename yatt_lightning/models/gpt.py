@@ -4,7 +4,7 @@ Which Hugging Face families map onto it, and how, is the business of the family 
 (:mod:`yatt_lightning.models.families`): each family reads its config into an :class:`HFArch` and names its
 weights (:func:`~yatt_lightning.models.families.arch_of`). What the Megatron side needs is data in the arch: a Llama-style decoder block (RMSNorm, rotary
 embeddings with optional scaling, grouped-query attention with optional QKV bias and per-head QK-norm,
-optional sliding windows per layer, a SwiGLU MLP or a top-k mixture of SwiGLU experts), tied or untied
+optional sliding windows per layer, multimodal RoPE (M-RoPE), a SwiGLU MLP or a top-k mixture of SwiGLU experts), tied or untied
 output embeddings. The model uses Megatron's local (non-Transformer-Engine) layer spec so the same code
 runs on CPU and GPU.
 """
@@ -29,6 +29,8 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, params_dtype: torch.dt
     if arch.sliding_window is not None:  # (left, right): the token and the window - 1 before it
         extra["window_size"] = (arch.sliding_window - 1, 0)
         extra["window_attn_skip_freq"] = [int(w) for w in arch.window_layers] if arch.window_layers else None
+    if arch.mrope_section is not None:
+        extra["mrope_section"] = list(arch.mrope_section)
     if arch.moe is not None:
         moe = arch.moe
         extra.update(
@@ -108,7 +110,7 @@ def build_gpt(arch: HFArch, config, *, pre_process: bool, post_process: bool, ti
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings and tied,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if arch.mrope_section is None else "mrope",
         rotary_base=int(arch.rope_theta),
     )
     if arch.rope_inv_freq is not None:  # scaled RoPE: transformers' frequencies, exactly

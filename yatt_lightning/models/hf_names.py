@@ -22,12 +22,12 @@ class HFNames:
     """Megatron name and full tensor -> Hugging Face (name, tensor) pairs (views where the layout allows)."""
 
     arch: HFArch
-    vision_language: bool = False
+    vision: vlm.VisionNames | None = None  # a vision-language policy: how its family names the tensors
     layer_offset: int = 0
 
     def __call__(self, name: str, full: torch.Tensor, grouped: bool = False) -> list[tuple[str, torch.Tensor]]:
         """``grouped``: q, k and v as views of the fused tensor by query group (one dimension more than it),
         which the caller flattens (:func:`~yatt_lightning.models.convert.split_qkv`)."""
-        if self.vision_language:
-            return list(vlm.export_names(name, full, self.arch, self.layer_offset, grouped))
+        if self.vision is not None:
+            return list(vlm.export_names(name, full, self.arch, self.layer_offset, grouped, self.vision))
         return convert.megatron_to_hf(name, full, self.arch, self.layer_offset, grouped)

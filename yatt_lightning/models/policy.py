@@ -20,7 +20,7 @@ import torch
 from yatt_lightning.models import convert, live_state, vlm
 from yatt_lightning.models.cpu import check_version, megatron_cpu_context, model_parallel_manual_seed
 from yatt_lightning.models.expert_gather import ExpertExchange
-from yatt_lightning.models.families import arch_of
+from yatt_lightning.models.families import arch_of, family_for
 from yatt_lightning.models.gpt import build_gpt, transformer_config
 from yatt_lightning.models.hf_names import HFNames
 from yatt_lightning.models.hf_weights import load_hf_weights, safetensors_reader
@@ -61,7 +61,7 @@ class MegatronPolicy(torch.nn.Module):
         check_version()
         self.path = Path(path)
         hf_config = AutoConfig.from_pretrained(self.path)
-        self.vision_language = vlm.is_vision_language(hf_config)  # LLaVA: vision tower + projector + this GPT
+        self.vision_language = vlm.is_vision_language(hf_config)  # vision parts (its family's) + this GPT
         if value_head and self.vision_language:
             raise ValueError(
                 f"`model.critic`: {self.path} is a vision-language model; a critic on one is not supported yet "
@@ -91,7 +91,8 @@ class MegatronPolicy(torch.nn.Module):
                 post_process=self.is_last_stage and not value_head, tied=not value_head,
             )  # fmt: skip
             self.layer_offset = get_transformer_layer_offset(self.config)
-            self.hf_names = HFNames(self.arch, self.vision_language, self.layer_offset)
+            family = family_for(hf_config)
+            self.hf_names = HFNames(self.arch, family.vision_names if self.vision_language else None, self.layer_offset)
             get = safetensors_reader(self.path)
             reader = vlm.text_reader(get) if self.vision_language else get
             load_hf_weights(gpt, reader, self.arch, self.tp_rank, tp, self.layer_offset, source=self.path,
@@ -102,9 +103,7 @@ class MegatronPolicy(torch.nn.Module):
                 gpt = ValueModel(gpt, self.arch.hidden_size, self.arch.rms_norm_eps, post_process=self.is_last_stage)
                 gpt.load_norm(get)
             if self.vision_language:
-                from yatt_lightning.models.vlm_model import VisionLanguageModel
-
-                gpt = VisionLanguageModel(hf_config, gpt, pre_process=self.is_first_stage)
+                gpt = family.vision_model(hf_config, gpt, pre_process=self.is_first_stage)
                 vlm.load_vision_weights(gpt, get)
             self.lora, self.lora_params = lora, 0
             if lora is not None:  # the weights frozen, adapters on the language model's linear layers
@@ -165,7 +164,7 @@ class MegatronPolicy(torch.nn.Module):
             seq = ids.shape[1]
             position_ids = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
             causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=ids.device), diagonal=1)
-            images = {k: mb[k] for k in ("pixel_values", "prompt_lengths") if k in mb}
+            images = {k: mb[k] for k in ("pixel_values", "image_grid_thw", "prompt_lengths") if k in mb}
             output = model(ids, position_ids, causal, **images)
             return output, partial(loss_fn, mb)
 
@@ -327,10 +326,11 @@ class MegatronPolicy(torch.nn.Module):
             if self.ep > 1 and ".local_experts." in name:  # every rank's experts, gathered layer by layer below
                 experts.append((name, local))
                 continue
-            if self.tp > 1 and convert.tp_split_dim(name, self.arch) is not None:
+            table_name = name.removeprefix("language_model.")  # a vision-language policy's GPT
+            if self.tp > 1 and convert.tp_split_dim(table_name, self.arch) is not None:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
                 torch.distributed.all_gather(shards, local.contiguous(), group=group)
-                full = convert.unshard(name, shards, self.arch)
+                full = convert.unshard(table_name, shards, self.arch)
             else:
                 full = local
             yield from self.hf_names(name, full)

@@ -1,30 +1,66 @@
-"""A LLaVA-family vision-language policy: Hugging Face's vision tower and projector in front of the Megatron GPT.
+"""Vision-language policies: Hugging Face's vision tower (and projector) in front of the Megatron GPT.
 
 This module holds the weight names (loading, export), without importing Megatron, so that ``yatt export``
-stays light; the model itself is :class:`~yatt_lightning.models.vlm_model.VisionLanguageModel`.
+stays light; the models themselves are :class:`~yatt_lightning.models.vlm_model.VisionLanguageModel` (LLaVA)
+and :class:`~yatt_lightning.models.qwen_vl_model.QwenVisionLanguageModel` (Qwen2-VL, Qwen2.5-VL).
 
 Decision: the language model is Megatron-Core's GPT (tensor / pipeline parallel, the conversion of
-:mod:`~yatt_lightning.models.convert`); the CLIP vision tower and the projector are transformers' own
-modules, replicated on every tensor-parallel rank of the first pipeline stage, as Megatron-Bridge does for
-Qwen2.5-VL. Their numerics are then transformers' and vLLM's by construction (no second ViT to convert and
-keep in step), and their weights keep their Hugging Face names both ways. Megatron's DDP and distributed
-optimizer train them with the rest (they are tagged as replicated, so the gradient norm counts them once).
+:mod:`~yatt_lightning.models.convert`); the vision tower and the projector (LLaVA's CLIP, Qwen's ViT and
+merger) are transformers' own modules, replicated on every tensor-parallel rank of the first pipeline stage,
+as Megatron-Bridge does for Qwen2.5-VL. Their numerics are then transformers' and vLLM's by construction (no
+second ViT to convert and keep in step), and their weights keep their Hugging Face names both ways. Megatron's
+DDP and distributed optimizer train them with the rest (they are tagged as replicated, so the gradient norm
+counts them once).
 
-Sequences hold the model's image tokens expanded (``image_seq_length`` placeholders per image, as
-transformers' processor writes them); the forward writes each image's projected features over its
-placeholders. The rollout engine receives one placeholder per image and expands it itself.
+Sequences hold the model's image tokens expanded (as transformers' processor writes them: a fixed count per
+image for LLaVA, one per merged patch of the image's grid for Qwen); the forward writes each image's features
+over its placeholders. The rollout engine receives one placeholder per image and expands it itself.
+
+How a family names its tensors is a :class:`VisionNames` (the family's ``vision_names``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from yatt_lightning.models import convert
 from yatt_lightning.models.families.arch import HFArch
 
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+# The vision parts' module names in a policy: LLaVA's tower and projector, Qwen-VL's ViT with its merger.
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
+
+
+@dataclass(frozen=True)
+class VisionNames:
+    """How one vision-language family's folder (and vLLM) name its tensors, from the policy's module names.
+
+    ``text_prefix``: put in front of the language model's Hugging Face names (``model.layers.0...``,
+    ``lm_head.weight``), with ``text_strip`` taken off them first; ``vision_prefix``: put in front of the vision
+    parts' module names (LLaVA's tower also gets ``vision_model.``, :func:`published_name`).
+    """
+
+    text_prefix: str
+    text_strip: str = ""
+    vision_prefix: str = ""
+    lm_head: str = "lm_head.weight"
+
+    def text(self, hf_name: str) -> str:
+        if hf_name == "lm_head.weight":
+            return self.lm_head
+        return self.text_prefix + hf_name.removeprefix(self.text_strip)
+
+    def vision(self, module_name: str) -> str:
+        return self.vision_prefix + published_name(module_name)
+
+
+# Published LLaVA checkpoints (and vLLM): language_model.model.*, language_model.lm_head.*, vision_tower.vision_model.*
+LLAVA_NAMES = VisionNames(text_prefix="language_model.", lm_head="language_model.lm_head.weight")
+# Qwen2-VL / Qwen2.5-VL as published and as transformers 5.19's save_pretrained writes them (vLLM's names too):
+# the text model's own (model.layers.*, lm_head.weight) and visual.*.
+QWEN_VL_NAMES = VisionNames(text_prefix="")
 
 
 def is_vision_language(hf_config) -> bool:
@@ -34,15 +70,15 @@ def is_vision_language(hf_config) -> bool:
 # ------------------------------------------------------------------------------------ weight names
 def text_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """Read the language model's tensors under their text-model names (``model.layers.0...``, ``lm_head.weight``)
-    from a LLaVA checkpoint in either layout: ``language_model.model.*`` (the published one, vLLM's) or
-    ``model.language_model.*`` (what transformers 5 writes)."""
+    from a vision-language checkpoint in any layout: ``language_model.model.*`` (published LLaVA, vLLM's),
+    ``model.language_model.*`` (what transformers 5 writes) or the text names themselves (published Qwen2-VL
+    and Qwen2.5-VL)."""
 
     def read(name: str) -> torch.Tensor:
         candidates = [f"language_model.{name}"]
         if name.startswith("model."):
             candidates.append("model.language_model." + name.removeprefix("model."))
-        else:
-            candidates.append(name)
+        candidates.append(name)
         return _first(get, candidates)
 
     return read
@@ -89,13 +125,18 @@ def load_vision_weights(model: torch.nn.Module, get: Callable[[str], torch.Tenso
 
 
 def export_names(
-    name: str, full: torch.Tensor, arch: HFArch, layer_offset: int, grouped: bool = False
+    name: str,
+    full: torch.Tensor,
+    arch: HFArch,
+    layer_offset: int,
+    grouped: bool = False,
+    names: VisionNames = LLAVA_NAMES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face (vLLM) names for one full tensor of a :class:`~yatt_lightning.models.vlm_model.VisionLanguageModel`: the vision parts keep
-    their names, the language model's get the ``language_model.`` prefix of published LLaVA checkpoints."""
+    """Hugging Face (vLLM) names for one full tensor of a vision-language policy: the vision parts keep their
+    module names, the language model's get the family's prefix (``names``)."""
     if name.startswith(VISION_PREFIXES):
-        yield published_name(name), full
+        yield names.vision(name), full
         return
     text_name = name.removeprefix("language_model.")
     for hf_name, tensor in convert.megatron_to_hf(text_name, full, arch, layer_offset, grouped):
-        yield f"language_model.{hf_name}", tensor
+        yield names.text(hf_name), tensor

@@ -47,6 +47,9 @@ class HFArch:
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = field(default=())
     moe: MoEArch | None = None
+    # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotary channel pairs given to the temporal, height and width
+    # positions, in that order (`rope_parameters.mrope_section`); None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
 
     def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
         """Raise a ValueError naming the strategy argument when the layout cannot split this model."""

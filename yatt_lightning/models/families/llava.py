@@ -2,6 +2,7 @@
 decoder (its ``text_config``); the weight names are :mod:`yatt_lightning.models.vlm`'s."""
 
 from yatt_lightning.models.families.registry import family_for, register
+from yatt_lightning.models.vlm import LLAVA_NAMES
 
 SUPPORTED_TEXT = ("qwen2", "llama", "mistral")
 
@@ -9,6 +10,7 @@ SUPPORTED_TEXT = ("qwen2", "llama", "mistral")
 @register
 class Llava:
     model_type = "llava"
+    vision_names = LLAVA_NAMES
 
     def arch(self, cfg):
         text = cfg.text_config
@@ -18,3 +20,8 @@ class Llava:
                 f"supported: {', '.join(SUPPORTED_TEXT)}."
             )
         return family_for(text).arch(text)
+
+    def vision_model(self, hf_config, gpt, *, pre_process: bool):
+        from yatt_lightning.models.vlm_model import VisionLanguageModel
+
+        return VisionLanguageModel(hf_config, gpt, pre_process=pre_process)
