@@ -6,6 +6,7 @@ Each ``bench/*.py`` takes ``--smoke`` and prints its figure as its last line, in
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -100,9 +101,9 @@ def check(name: str, figures: dict[str, float]) -> None:
     elif name == "dp_balance.py":
         # Long sequences: tokens dominate, so the cost model must move them and even the ranks out (a balancer
         # that moved nothing leaves imbalance_after = before); at both sizes a balanced step twice as slow as
-        # the unbalanced one would be a wrong decision.
+        # the unbalanced one would be a wrong decision. The smoke size runs the long distribution only.
         assert f["long_after"] <= 1.1 and f["long_after"] < f["long_before"]
-        assert f["speedup"] > 0.5 and f["long_speedup"] > 0.5
+        assert f["long_speedup"] > 0.5 and math.isnan(f["speedup"])
     elif name == "gpu_check.py":  # on CPU: Megatron's logits equal transformers' (a wrong weight layout gives
         # O(1)) and the step produced a gradient (a detached loss gives 0)
         assert f["logit_diff"] < 1e-4 and f["grad_norm"] > 0

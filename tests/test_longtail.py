@@ -24,12 +24,4 @@ def test_over_provisioning_trains_on_the_first_groups_to_finish(tmp_path):
     assert len(s["actor/pg_loss"]) == 2
 
 
-def test_partial_rollout_continues_unfinished_samples_in_the_next_step(tmp_path):
-    """6-token responses generated 4 tokens per step: nothing finishes in the first step (no update),
-    then the first batch's groups finish in the second while the second batch's wait."""
-    s = _fit(tmp_path, "--trainer.max_steps", "2", "--model.long_tail", "yatt_lightning.rollout.longtail.PartialRollout",
-             "--model.long_tail.max_new_tokens_per_step", "4")  # fmt: skip
-    finished = [v for _, v in s["long_tail/finished_groups"]]
-    assert finished and all(v > 0 for v in finished)
-    assert max(v for _, v in s["long_tail/carried_groups"]) >= 16
-    assert len(s["actor/pg_loss"]) >= 1
+# PartialRollout's figures in a real run: tests/test_checkpoint.py (one run shared with the failed-step tests).
