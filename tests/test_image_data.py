@@ -161,6 +161,33 @@ def test_collapsing_expanded_image_tokens_restores_one_per_image_also_for_adjace
     assert collapse([*[img] * (2 * per), 5], img, per) == [img, img, 5]  # two images side by side
     with pytest.raises(ValueError, match="run of 3 image tokens is not a whole number of 4-token images"):
         collapse([img, img, img], img, per)
+    # Qwen-VL: each image its own count, between vision marks (7, 8): a run is one image
+    assert collapse([1, 7, *[img] * 6, 8, 2, 7, *[img] * 8, 8], img, None) == [1, 7, img, 8, 2, 7, img, 8]
+
+
+def test_a_qwen_vl_image_takes_one_token_per_merged_patch_of_its_own_size(tmp_path):
+    """Dynamic resolution: the processor resizes each image to multiples of 28 px (14 px patches merged 2x2);
+    the policy's prompt holds that many placeholders per image, in order, and its micro-batch the patches and
+    grids the vision tower takes."""
+    from yatt_lightning.datamodules.images import ImageLimits, reference
+
+    from tests.user_models import build
+    from yatt_lightning.multimodal.image_inputs import ImageInputs, collapse
+
+    inputs = ImageInputs(build("qwen2.5-vl", tmp_path / "qwen"))
+    sizes = [(84, 56), (56, 112)]  # (width, height): 3 x 2 and 2 x 4 merged patches
+    refs = []
+    for i, size in enumerate(sizes):
+        (tmp_path / f"{i}.png").write_bytes(_png(size=size))
+        refs.append(reference(f"{i}.png", base=tmp_path / "rows.jsonl", where=f"rows.jsonl:{i + 1}", index=0,
+                              limits=ImageLimits(max_bytes=1 << 20, max_pixels=1 << 20)))  # fmt: skip
+    assert inputs.counts(refs) == [6, 8]
+    tok = inputs.token_id
+    ids = inputs.expand([1, tok, 2, tok, 3], refs)
+    assert ids == [1, *[tok] * 6, 2, *[tok] * 8, 3] and collapse(ids, tok, None) == [1, tok, 2, tok, 3]
+    fields = inputs.pixels([refs[:1], refs[1:]])
+    assert fields["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 4]]
+    assert fields["pixel_values"].shape[0] == 24 + 32  # patches, 3 x 2 x 14 x 14 values each
 
 
 def test_a_parquet_table_in_verls_layout_gives_the_jsonl_rows_and_reads_its_images_back_from_the_table(tmp_path):

@@ -72,24 +72,12 @@ def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_
     from safetensors.torch import load_file
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from tests.helpers import colour_task_in_verls_layout
     from tests.user_models import build
     from yatt_lightning.models.vlm import published_name
 
     folder = build("llava", tmp_path / "llava")
     assert any(k.startswith("vision_tower.embeddings.") for k in load_file(folder / "model.safetensors"))
-    (tmp_path / "first_letter.py").write_text(
-        "def score(prompt, completion, answer, **row):\n    return float(completion.strip()[:1] == answer[0])\n"
-    )
-    saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
-              "init_args": {"every_n_steps": 1000, "dirpath": str(tmp_path / "ckpts")}}]  # fmt: skip
-    table = colour_task_in_verls_layout(tmp_path / "colours.parquet")
-    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
-         "--model.policy.path", str(folder), "--data.path", str(table), "--data.task", "null",
-         "--trainer.max_steps", "8", "--trainer.default_root_dir", str(tmp_path / "run"),
-         "--model.reward_fn", "first_letter.score", "--trainer.callbacks", json.dumps(saver)], cwd=tmp_path,
-        timeout=400)  # fmt: skip
-    scalars = read_scalars(tmp_path / "run")
+    scalars = _fit_on_colour_table(tmp_path, folder, 8)
     assert len(scalars["reward/mean"]) == 8 and max(v for _, v in scalars["reward/mean"]) > 0
     assert max(v for _, v in scalars["rollout/logprob_diff_max"]) < 1e-3
     out = tmp_path / "hf"
@@ -104,3 +92,51 @@ def test_a_users_llava_folder_trains_on_images_through_yatt_fit_and_exports(tmp_
     for name in ("vision_tower.vision_model.embeddings.patch_embedding.weight", "multi_modal_projector.linear_1.weight",
                  "language_model.model.layers.0.self_attn.q_proj.weight"):  # fmt: skip
         assert name in moved, name
+
+
+def test_a_users_qwen2_5_vl_folder_trains_on_images_through_yatt_fit_and_exports(tmp_path):
+    """Issue 43: a Qwen2.5-VL written by transformers 5.19's ``save_pretrained`` (published names: ``visual.*``,
+    ``model.layers.*``), with Qwen's vision-marked ChatML and transformers' PIL image processor, trains on the
+    colour task as a verl-layout Parquet file: images at their own resolution (the processor's grid says each
+    image's tokens), M-RoPE positions, the engine's vision tower fed every push (engine and policy agree on
+    every step, at a learning rate that moves the tower), and `yatt export` writes a folder transformers loads
+    whole, its vision tower, merger and language model the trained ones."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.user_models import build
+
+    folder = build("qwen2.5-vl", tmp_path / "qwen2.5-vl")
+    scalars = _fit_on_colour_table(tmp_path, folder, 6, "--model.optimizer.lr", "0.01")
+    assert len(scalars["reward/mean"]) == 6 and max(v for _, v in scalars["reward/mean"]) > 0
+    assert max(v for _, v in scalars["rollout/logprob_diff_max"]) < 1e-3, scalars["rollout/logprob_diff_max"]
+    out = tmp_path / "hf"
+    yatt(["export", "--ckpt_dir", str(tmp_path / "ckpts"), "--out", str(out)], cwd=tmp_path)
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    exported, initial = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert exported.keys() == initial.keys()
+    moved = {k for k in initial if not torch.equal(exported[k], initial[k])}
+    for name in ("visual.patch_embed.proj.weight", "visual.merger.mlp.0.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert name in moved, name
+
+
+def _fit_on_colour_table(tmp_path, folder, steps: int, *extra: str) -> dict:
+    """`yatt fit` of the vision-language ``folder`` on the colour task as a verl-layout Parquet file, with the
+    user's own reward (a file in the working directory: the colour's first letter first, which a random policy
+    hits often enough for a few steps to have gradients) and a checkpoint at the end; its TensorBoard figures."""
+    from tests.helpers import colour_task_in_verls_layout
+
+    (tmp_path / "first_letter.py").write_text(
+        "def score(prompt, completion, answer, **row):\n    return float(completion.strip()[:1] == answer[0])\n"
+    )
+    saver = [{"class_path": "yatt_lightning.callbacks.AsyncCheckpoint",
+              "init_args": {"every_n_steps": 1000, "dirpath": str(tmp_path / "ckpts")}}]  # fmt: skip
+    table = colour_task_in_verls_layout(tmp_path / "colours.parquet")
+    run([sys.executable, "-m", "yatt_lightning.run.cli", "fit", "--config", str(REPO / "configs" / "grpo_vlm_tiny.yaml"),
+         "--model.policy.path", str(folder), "--data.path", str(table), "--data.task", "null",
+         "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(tmp_path / "run"),
+         "--model.reward_fn", "first_letter.score", "--trainer.callbacks", json.dumps(saver), *extra], cwd=tmp_path,
+        timeout=400)  # fmt: skip
+    return read_scalars(tmp_path / "run")

@@ -166,7 +166,9 @@ class PromptFormat:
                 f"`model.system_prompt` is set but {why}, so there is no system turn to put it in; unset it, or use "
                 "a model whose tokenizer has a chat template (tokenizer.chat_template)."
             )
-        image_token = config.image_token_index if vision else None
+        image_token = None
+        if vision:  # LLaVA's image_token_index, Qwen-VL's image_token_id
+            image_token = config.image_token_index if hasattr(config, "image_token_index") else config.image_token_id
         return cls(tokenizer, template, system_prompt, image_token, source, tools if template is not None else None)
 
     def _conversation(self, row: dict) -> list[dict]:

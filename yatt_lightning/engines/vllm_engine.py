@@ -140,12 +140,13 @@ class VLLMEngine(TextCompletions):
         self.multimodal = hasattr(hf_config, "vision_config")
         if self.multimodal:
             from yatt_lightning.multimodal import vision_shim
-            from yatt_lightning.multimodal.image_inputs import tokens_per_image
+            from yatt_lightning.multimodal.image_inputs import image_token_id, tokens_per_image
 
-            self.image_token_id = hf_config.image_token_index
-            self.image_tokens = tokens_per_image(hf_config)
+            self.image_token_id = image_token_id(hf_config)
+            # LLaVA: a fixed count per image; Qwen-VL: each image's own (a run of placeholders is one image)
+            self.image_tokens = tokens_per_image(hf_config) if hasattr(hf_config, "image_token_index") else None
 
-            vision_shim.install()
+            vision_shim.install_video_stand_in()
             vision_shim.subprocess_env()
         from vllm import LLM
 
@@ -163,6 +164,8 @@ class VLLMEngine(TextCompletions):
             kwargs["max_num_batched_tokens"] = max(8192, max_num_seqs * max_model_len)
         if lora_rank is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+        if self.multimodal and self.image_tokens is None:  # Qwen-VL: images only (videos are not built yet)
+            kwargs["limit_mm_per_prompt"] = {"video": 0}
         import vllm.envs
 
         vllm.envs.disable_envs_cache()  # an earlier engine froze the environment; this one may differ
@@ -246,7 +249,7 @@ class VLLMEngine(TextCompletions):
         engine = self._llm().llm_engine
         self._batches += 1
         pending: dict[str, int] = {}
-        sent: dict[str, list[int]] = {}  # the ids the engine must see, image placeholders expanded
+        sent: dict[str, list[int] | None] = {}  # the ids the engine must see, image placeholders expanded
         for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
             params = SamplingParams(
                 n=sampling.n,
@@ -264,9 +267,12 @@ class VLLMEngine(TextCompletions):
             sent[request_id] = prompt
             if images is not None and images[i]:
                 # The model sees each image as a run of placeholder tokens; vLLM wants one and expands it.
-                if prompt.count(self.image_token_id) != len(images[i]):  # not already one per image
+                if prompt.count(self.image_token_id) != len(images[i]):  # expanded, as the policy has it
                     prompt = collapse(prompt, self.image_token_id, self.image_tokens)
-                sent[request_id] = expand(prompt, self.image_token_id, self.image_tokens)
+                elif self.image_tokens is not None:
+                    sent[request_id] = expand(prompt, self.image_token_id, self.image_tokens)
+                else:  # one per image, of counts only the engine's processor knows: nothing to check against
+                    sent[request_id] = None
                 inputs = TokensPrompt(prompt_token_ids=prompt)
                 inputs["multi_modal_data"] = {"image": images[i]}
             engine.add_request(request_id, inputs, params, lora_request=self.lora_request)
@@ -281,7 +287,8 @@ class VLLMEngine(TextCompletions):
                     updated = True
                 for out in self._step(engine, f"generating {len(pending)} of {len(prompts)} prompts"):
                     if out.finished and out.request_id in pending:
-                        check_prompt(out, sent.pop(out.request_id))
+                        if (expected := sent.pop(out.request_id)) is not None:
+                            check_prompt(out, expected)
                         versions = (first, feed.version) if feed is not None else None
                         yield pending.pop(out.request_id), completions_of(out, versions)
         finally:

@@ -32,7 +32,8 @@ def _retie_output_embedding(model: torch.nn.Module, hf_config) -> None:
     preparation, as the first load did."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    if not hf_config.get_text_config().tie_word_embeddings:
+    tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", None)
+    if not (tied if tied is not None else getattr(hf_config, "tie_word_embeddings", False)):  # Qwen-VL: the outer
         return
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding]

@@ -22,45 +22,15 @@ How a family names its tensors is a :class:`VisionNames` (the family's ``vision_
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from yatt_lightning.models import convert
 from yatt_lightning.models.families.arch import HFArch
+from yatt_lightning.models.families.vision_names import LLAVA_NAMES, VisionNames, published_name  # noqa: F401 (re-exported)
 
 # The vision parts' module names in a policy: LLaVA's tower and projector, Qwen-VL's ViT with its merger.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
-
-
-@dataclass(frozen=True)
-class VisionNames:
-    """How one vision-language family's folder (and vLLM) name its tensors, from the policy's module names.
-
-    ``text_prefix``: put in front of the language model's Hugging Face names (``model.layers.0...``,
-    ``lm_head.weight``), with ``text_strip`` taken off them first; ``vision_prefix``: put in front of the vision
-    parts' module names (LLaVA's tower also gets ``vision_model.``, :func:`published_name`).
-    """
-
-    text_prefix: str
-    text_strip: str = ""
-    vision_prefix: str = ""
-    lm_head: str = "lm_head.weight"
-
-    def text(self, hf_name: str) -> str:
-        if hf_name == "lm_head.weight":
-            return self.lm_head
-        return self.text_prefix + hf_name.removeprefix(self.text_strip)
-
-    def vision(self, module_name: str) -> str:
-        return self.vision_prefix + published_name(module_name)
-
-
-# Published LLaVA checkpoints (and vLLM): language_model.model.*, language_model.lm_head.*, vision_tower.vision_model.*
-LLAVA_NAMES = VisionNames(text_prefix="language_model.", lm_head="language_model.lm_head.weight")
-# Qwen2-VL / Qwen2.5-VL as published and as transformers 5.19's save_pretrained writes them (vLLM's names too):
-# the text model's own (model.layers.*, lm_head.weight) and visual.*.
-QWEN_VL_NAMES = VisionNames(text_prefix="")
 
 
 def is_vision_language(hf_config) -> bool:
@@ -91,14 +61,6 @@ def _first(get: Callable[[str], torch.Tensor], candidates: list[str]) -> torch.T
         except KeyError:
             continue
     raise KeyError(f"`model.policy.path`: no tensor {' or '.join(candidates)}")
-
-
-def published_name(module_name: str) -> str:
-    """The name published LLaVA checkpoints (and vLLM) give a vision-tower or projector parameter:
-    ``vision_tower.vision_model.*`` for the tower (transformers 5's module is ``vision_tower.*``)."""
-    if module_name.startswith("vision_tower.") and not module_name.startswith("vision_tower.vision_model."):
-        return "vision_tower.vision_model." + module_name.removeprefix("vision_tower.")
-    return module_name
 
 
 def vision_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:

@@ -6,7 +6,8 @@ and transformers 5.19 then selects the PIL twins of its image processors by itse
 exactly those modules resolve to their PIL twins, with the torchvision class names pointing at the PIL
 classes. It does nothing where torchvision imports (a GPU machine), and refuses versions it was not checked
 with. vLLM inspects model files in a subprocess, so :func:`subprocess_env` hands that subprocess a
-``sitecustomize`` (``yatt_lightning/vision_site``) that installs the shim there too.
+``sitecustomize`` (``yatt_lightning/vision_site``) that installs the shim there too. A Qwen-VL processor also
+has a video slot whose processor needs torchvision: :func:`install_video_stand_in` fills it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ ALIASES = {
     ),
     "transformers.models.clip.image_processing_clip": (
         "transformers.models.clip.image_processing_pil_clip", {"CLIPImageProcessor": "CLIPImageProcessorPil"},
+    ),
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil"},
     ),
 }  # fmt: skip
 SITE = Path(__file__).parent / "vision_site"
@@ -71,6 +75,39 @@ def install() -> bool:
     if not any(isinstance(f, _PilTwins) for f in sys.meta_path):
         sys.meta_path.insert(0, _PilTwins())
     return True
+
+
+def install_video_stand_in() -> bool:
+    """Where torchvision is missing, a Qwen-VL processor's video slot gets a stand-in that processes no video
+    (its own video processor needs torchvision, transformers then has no class to put there, and the whole
+    processor, which vLLM builds for images too, fails to load); True if installed. The engine refuses videos
+    before they reach it (``limit_mm_per_prompt`` video 0)."""
+    if not install():
+        return False
+    global NoVideoProcessor
+    if NoVideoProcessor is None:
+        import transformers.processing_utils as processing
+        from transformers.video_processing_utils import BaseVideoProcessor
+
+        class NoVideoProcessor(BaseVideoProcessor):  # noqa: F811 (built on first use: its base imports transformers')
+            """Holds a Qwen-VL processor's video slot where torchvision is missing; processes no video."""
+
+            merge_size, temporal_patch_size, patch_size = 2, 2, 14
+
+            @classmethod
+            def from_pretrained(cls, *args, **kwargs):
+                return cls()
+
+            def __call__(self, *args, **kwargs):
+                raise RuntimeError("videos need torchvision, which this machine's torch cannot load (CPU stack)")
+
+        processing.MODALITY_TO_AUTOPROCESSOR_MAPPING._MAPPING_NAMES["video_processor"] = (__name__, "NoVideoProcessor")
+        processing.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"] = "NoVideoProcessor"  # what it checks against
+        processing.transformers_module.NoVideoProcessor = NoVideoProcessor
+    return True
+
+
+NoVideoProcessor = None  # the stand-in class, once install_video_stand_in built it
 
 
 def subprocess_env() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from yatt_lightning.models.families import arch_of, family_for
+from yatt_lightning.models.families import arch_of
 from yatt_lightning.models.families.arch import HFArch
 
 
@@ -25,9 +25,6 @@ def check_run(model, datamodule, trainer) -> None:
     path = model.policy_spec.resolve()
     config = AutoConfig.from_pretrained(path)
     arch = arch_of(config)
-    not_yet = getattr(family_for(config), "not_in_runs_yet", None)
-    if not_yet:
-        raise ValueError(f"`model.policy.path`: {path} is a {config.model_type} model: {not_yet}")
     check_layout(arch, strategy, trainer)
     check_weights(path)
     tokenizer = load_tokenizer(path)

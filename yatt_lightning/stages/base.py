@@ -154,7 +154,8 @@ class PolicyStage(pl.LightningModule):
             wanted = f"the field {field!r} nor " if field is not None else ""
             raise ValueError(f"{where}: it has neither {wanted}chat `messages` with an assistant turn to learn from.")
         if self.images is not None:  # one image token per image, as many as the vision tower gives
-            seq = Sequence(self.images.expand(seq.prompt_ids), seq.completion_ids, seq.mask, row.get("images"))
+            refs = row.get("images")
+            seq = Sequence(self.images.expand(seq.prompt_ids, refs), seq.completion_ids, seq.mask, refs)
         return self.fit(seq, where)
 
     def chat_sequence(self, row: dict, where: str) -> Sequence:

@@ -57,7 +57,8 @@ class MicroBatch:
     ``sample_index [b]`` (the samples' indices in their batch); ``rollout_logprobs [b, s-1]`` (the
     engine's); where known ``old_logprobs``, ``ref_logprobs [b, s-1]`` and ``advantages`` (``[b]``, or
     ``[b, s-1]`` when they are per token); with a critic ``returns`` and ``old_values [b, s-1]``; for a
-    vision-language policy ``pixel_values`` (the samples' images, in order) and ``prompt_lengths [b]``.
+    vision-language policy ``pixel_values`` (the samples' images, in order; Qwen-VL's as patches, with each
+    image's ``image_grid_thw``) and ``prompt_lengths [b]``.
     Reads as a mapping too (``mb["advantages"]``, ``"pixel_values" in mb``: the fields that are set), as
     the hooks written for dict micro-batches do.
     """
@@ -72,6 +73,7 @@ class MicroBatch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
     completion_mask: torch.Tensor | None = None
 
@@ -132,8 +134,8 @@ class TrainingBatch:
     ) -> list[MicroBatch]:
         """Right-padded :class:`MicroBatch` es of the samples ``indices`` (in that order),
         ``micro_batch_size`` each, or following ``plan`` (lists of sample indices) when given; with
-        ``pixels(images)`` (a vision-language policy's: the samples' image references to pixels) also their
-        ``pixel_values`` and ``prompt_lengths``."""
+        ``pixels(images)`` (a vision-language policy's: the samples' image references to the micro-batch's
+        image fields) also their ``pixel_values`` (and ``image_grid_thw``) and ``prompt_lengths``."""
         samples = self.samples
         per_sample = {
             "rollout_logprobs": samples.rollout_logprobs,
@@ -166,7 +168,7 @@ class TrainingBatch:
                 fields["advantages"] = advantages.values[chunk].float()
             images = pixels([samples.images[i] or [] for i in chunk]) if pixels is not None else None
             if images is not None:  # placeholders count in the prompt only (a completion may sample the token)
-                fields["pixel_values"] = images
+                fields.update(images)
                 fields["prompt_lengths"] = torch.tensor([len(samples.prompt_ids[i]) for i in chunk])
             if samples.action_masks is not None:  # per-token values are laid out over every completion token
                 full = torch.zeros_like(mask)

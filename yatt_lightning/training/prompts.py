@@ -31,7 +31,7 @@ class Prompts:
     def tokenize_prompt(self, row: dict) -> list[int]:
         """The row's prompt ids (:mod:`yatt_lightning.chat`), image tokens expanded to the model's count."""
         ids = self.prompt_format.ids(row)
-        ids = self.images.expand(ids) if self.images is not None else ids
+        ids = self.images.expand(ids, row.get("images")) if self.images is not None else ids
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt of {len(ids)} tokens ({row.get('_source', 'built-in task')}) is longer than "

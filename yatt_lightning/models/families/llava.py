@@ -1,8 +1,8 @@
 """LLaVA: a CLIP vision tower and projector (transformers' modules) in front of a registered text family's
-decoder (its ``text_config``); the weight names are :mod:`yatt_lightning.models.vlm`'s."""
+decoder (its ``text_config``); its names are :data:`~yatt_lightning.models.families.vision_names.LLAVA_NAMES`."""
 
 from yatt_lightning.models.families.registry import family_for, register
-from yatt_lightning.models.vlm import LLAVA_NAMES
+from yatt_lightning.models.families.vision_names import LLAVA_NAMES
 
 SUPPORTED_TEXT = ("qwen2", "llama", "mistral")
 

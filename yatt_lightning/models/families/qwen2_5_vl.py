@@ -1,7 +1,7 @@
 """Qwen2.5-VL: transformers' vision transformer and merger in front of a Qwen2 decoder (QKV bias) whose rotary
 embedding is multimodal (``text_config.rope_parameters.mrope_section``); the model is
 :class:`~yatt_lightning.models.qwen_vl_model.QwenVisionLanguageModel`, the names
-:data:`~yatt_lightning.models.vlm.QWEN_VL_NAMES`."""
+:data:`~yatt_lightning.models.families.vision_names.QWEN_VL_NAMES`."""
 
 from __future__ import annotations
 
@@ -10,19 +10,13 @@ from dataclasses import replace
 from yatt_lightning.models.families.family import KEY
 from yatt_lightning.models.families.qwen2 import Qwen2
 from yatt_lightning.models.families.registry import register
-from yatt_lightning.models.vlm import QWEN_VL_NAMES
+from yatt_lightning.models.families.vision_names import QWEN_VL_NAMES
 
 
 @register
 class Qwen2_5_VL(Qwen2):
     model_type = "qwen2_5_vl"
     vision_names = QWEN_VL_NAMES
-    # What preflight says of a run with this family (issue 43): the policy is built, the rollout's image inputs not.
-    not_in_runs_yet = (
-        "its policy is built (Megatron with M-RoPE behind transformers' vision tower: logits, TP / PP, export), but "
-        "a run's rollout of it is not yet (the engine's and the micro-batches' images at each image's own token "
-        "count); LLaVA folders train today."
-    )
 
     def arch(self, cfg):
         text = cfg.text_config
