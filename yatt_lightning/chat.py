@@ -167,8 +167,10 @@ class PromptFormat:
                 "a model whose tokenizer has a chat template (tokenizer.chat_template)."
             )
         image_token = None
-        if vision:  # LLaVA's image_token_index, Qwen-VL's image_token_id
-            image_token = config.image_token_index if hasattr(config, "image_token_index") else config.image_token_id
+        if vision:
+            from yatt_lightning.models.vlm import image_token_id
+
+            image_token = image_token_id(config)
         return cls(tokenizer, template, system_prompt, image_token, source, tools if template is not None else None)
 
     def _conversation(self, row: dict) -> list[dict]:

@@ -139,12 +139,13 @@ class VLLMEngine(TextCompletions):
         hf_config = AutoConfig.from_pretrained(model_path)
         self.multimodal = hasattr(hf_config, "vision_config")
         if self.multimodal:
+            from yatt_lightning.models.vlm import image_token_id
             from yatt_lightning.multimodal import vision_shim
-            from yatt_lightning.multimodal.image_inputs import image_token_id, tokens_per_image
+            from yatt_lightning.multimodal.image_inputs import tokens_per_image
 
             self.image_token_id = image_token_id(hf_config)
-            # LLaVA: a fixed count per image; Qwen-VL: each image's own (a run of placeholders is one image)
-            self.image_tokens = tokens_per_image(hf_config) if hasattr(hf_config, "image_token_index") else None
+            # LLaVA: a fixed count per image; Qwen-VL (None): each image's own, a run of placeholders is one image
+            self.image_tokens = tokens_per_image(hf_config)
 
             vision_shim.install_video_stand_in()
             vision_shim.subprocess_env()

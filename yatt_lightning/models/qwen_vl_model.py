@@ -22,14 +22,14 @@ class _RopeIndex:
     def __init__(self, hf_config) -> None:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-        self.config = hf_config
-        self._index = Qwen2_5_VLModel.get_rope_index
+        self.config = hf_config  # what the two methods read of the model
+        self.get_rope_index = Qwen2_5_VLModel.get_rope_index.__get__(self)
         self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
 
     def __call__(
         self, input_ids: torch.Tensor, placeholders: torch.Tensor, image_grid_thw: torch.Tensor | None
     ) -> torch.Tensor:
-        positions, _ = self._index(self, input_ids, placeholders.int(), image_grid_thw=image_grid_thw)
+        positions, _ = self.get_rope_index(input_ids, placeholders.int(), image_grid_thw=image_grid_thw)
         return positions  # [3, b, s]
 
 

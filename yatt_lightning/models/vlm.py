@@ -37,6 +37,12 @@ def is_vision_language(hf_config) -> bool:
     return hasattr(hf_config, "vision_config")
 
 
+def image_token_id(hf_config) -> int:
+    """The image placeholder token of a vision-language model's ``config.json`` (LLaVA's ``image_token_index``,
+    Qwen-VL's ``image_token_id``)."""
+    return hf_config.image_token_index if hasattr(hf_config, "image_token_index") else hf_config.image_token_id
+
+
 # ------------------------------------------------------------------------------------ weight names
 def text_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """Read the language model's tensors under their text-model names (``model.layers.0...``, ``lm_head.weight``)

@@ -15,19 +15,17 @@ from pathlib import Path
 import torch
 
 from yatt_lightning.datamodules.images import load_image
+from yatt_lightning.models.vlm import image_token_id
 
 
-def tokens_per_image(config) -> int:
+def tokens_per_image(config) -> int | None:
     """How many tokens one image takes in a LLaVA's sequence (its ``config.json``): one per patch, plus the
-    class token when ``vision_feature_select_strategy`` is ``full``."""
+    class token when ``vision_feature_select_strategy`` is ``full``; ``None`` for a model whose images each
+    take their own count (Qwen-VL: by the image's size, :meth:`ImageInputs.counts`)."""
+    if not hasattr(config, "vision_feature_select_strategy"):
+        return None
     vision = config.vision_config
     return (vision.image_size // vision.patch_size) ** 2 + int(config.vision_feature_select_strategy == "full")
-
-
-def image_token_id(config) -> int:
-    """The image placeholder token of a vision-language model's ``config.json`` (LLaVA's ``image_token_index``,
-    Qwen-VL's ``image_token_id``)."""
-    return config.image_token_index if hasattr(config, "image_token_index") else config.image_token_id
 
 
 def collapse(ids: list[int], token: int, per_image: int | None) -> list[int]:
@@ -80,8 +78,7 @@ class ImageInputs:
         config = AutoConfig.from_pretrained(path)
         self.processor = AutoImageProcessor.from_pretrained(path)
         self.token_id = image_token_id(config)
-        # LLaVA: every image takes the same count; Qwen-VL: its grid says (None)
-        self.tokens_per_image = tokens_per_image(config) if hasattr(config, "image_token_index") else None
+        self.tokens_per_image = tokens_per_image(config)  # None: each image its own (Qwen-VL)
 
     def counts(self, refs: list) -> list[int]:
         """How many tokens each image of ``refs`` takes in the policy's sequence: for Qwen-VL one per 2x2 merged
